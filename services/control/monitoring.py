@@ -33,13 +33,19 @@ REATTACH_MIN_SECONDS = _env_seconds("SURGE_REATTACH_MIN_SECONDS", 15.0)
 
 
 def start_monitoring(
-    job_id: str, spec: JobSpec, *, restored: bool = False, placement: Mapping[int, str] | None = None
+    job_id: str,
+    spec: JobSpec,
+    *,
+    restored: bool = False,
+    placement: Mapping[int, str] | None = None,
+    step: int = 0,
 ) -> control_pb2.StartFaultMonitoring:
     """StartFaultMonitoring for ``job_id`` with the deadlines of ``spec.liveness`` (seconds).
     ``restored``: control restarted while the job ran; every rank must re-attach within
     max(REATTACH_MIN_SECONDS, 3 x heartbeat_timeout_seconds). ``placement``: rank -> the
-    worker it ran on, as journaled (a rank missing: unknown), so that a rank whose node
-    agent never re-attaches is reported lost with that worker."""
+    worker it ran on (or was launched on), as journaled (a rank missing: unknown), so that a
+    rank whose node agent never re-attaches is reported lost with that worker; ``step``: the
+    job's step as journaled, what such a rank is reported at."""
     live = spec.liveness
     msg = control_pb2.StartFaultMonitoring(
         job_id=job_id,
@@ -61,4 +67,5 @@ def start_monitoring(
         msg.world_size = spec.world_size
         msg.reattach_seconds = max(REATTACH_MIN_SECONDS, 3 * live.heartbeat_timeout_seconds)
         msg.rank_worker_ids.extend((placement or {}).get(r, "") for r in range(spec.world_size))
+        msg.step = max(step, 0)
     return msg

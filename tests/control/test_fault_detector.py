@@ -715,6 +715,57 @@ def test_after_a_restart_a_rank_not_heard_from_on_a_worker_that_is_back_is_silen
     assert (silent.fault_class, silent.rank, silent.worker_id) == ("rank_silent", 1, "wa")
 
 
+def test_after_a_restart_a_rank_never_heard_from_is_reported_at_the_journaled_step_by_its_re_attach_deadline():
+    # Session 34's trial: "rank 0 on worker  sent no heartbeat for 15.0 s (deadline 3 s) after
+    # step 0" for a job at step 13615: the deadline was the re-attach window's, the step the
+    # journal's (the rank sent this control none), and no worker was known for it.
+    bus, reports = wired()
+    restored(bus, heartbeat_timeout_seconds=0.3, reattach_seconds=0.6, step=13615)
+    got = reports.wait(2)
+    assert [(r.fault_class, r.rank, r.step) for r in got] == [("rank_silent", 0, 13615), ("rank_silent", 1, 13615)]
+    assert "not re-attached" in got[0].detail and "deadline 0.3 s" not in got[0].detail, got[0].detail
+    assert got[0].detail.endswith("after step 13615"), got[0].detail
+    # Where it was launched is known: lost with that worker, at that step.
+    bus, reports = wired()
+    restored(bus, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"], step=13615)
+    got = reports.wait(2)
+    assert sorted((r.fault_class, r.rank, r.worker_id, r.step) for r in got) == [
+        ("worker_lost", 0, "wa", 13615),
+        ("worker_lost", 1, "wb", 13615),
+    ]
+
+
+def test_a_healthy_rank_behind_a_hung_node_agent_is_that_agents_fault_not_the_ranks():
+    # Session 34's trial: `kill -STOP` of worker-0's node agent alone. Its rank trained on,
+    # but its beats go through the agent: declared "rank_silent ... (deadline 15 s for a
+    # process its node agent states running)". The agent's own beats stopped first: the fault
+    # is the agent's (typed from its beats): worker_lost, subclass agent_silent, naming it.
+    bus, reports = wired(heartbeat_timeout_seconds=0.5, heartbeat_timeout_running_seconds=3.5)
+
+    def agent_beat() -> None:
+        hb = control_pb2.AgentHeartbeat(worker_id="w", interval_seconds=0.1, received_monotonic=time.monotonic())
+        bus.publish(Module.EXT_HARDWARE, hb)
+
+    agent_beat()
+    bus.publish(
+        Module.EXT_HARDWARE,
+        control_pb2.RankProcessState(
+            job_id="j", rank=1, worker_id="w", pid=7, state=control_pb2.RankProcessState.RUNNING
+        ),
+    )
+    for n in range(3):
+        beat(bus, rank=1, step=40 + n, stepping=True)
+        agent_beat()
+        time.sleep(0.05)
+    # The agent stops (SIGSTOP): neither its beats nor the rank's it relays arrive any more.
+    got = reports.wait(2, timeout=10.0)
+    assert [(r.job_id, r.fault_class) for r in got] == [("", "agent_silent"), ("j", "worker_lost")], got
+    report = got[1]
+    assert (report.rank, report.worker_id, report.subclass, report.step) == (1, "w", "agent_silent", 42)
+    assert report.agent_unheard  # (L1-1: its rank cannot be ended, no rebuild in place around it)
+    assert report.detail.startswith("the node agent of w sent no AgentHeartbeat for "), report.detail
+
+
 def test_after_a_restart_a_lost_node_agent_reported_by_its_session_is_the_cause_not_the_survivors_earlier_exit():
     # Rank 1's agent re-attached to the restarted control and then died: its session closed
     # (the relay's worker_lost, occurred "now"), after the survivor's resent exit.
@@ -948,7 +999,7 @@ def test_a_deadline_that_fires_while_a_beat_waits_unapplied_is_decided_after_tha
     backlog.wait(2)
     backlog.drain()
     got = {r.fault_class for r in reports.wait(2)}
-    assert got == {"agent_silent", "rank_silent"}, reports
+    assert got == {"agent_silent", "worker_lost"}, reports  # (the rank's beats stopped with its agent's)
 
 
 def test_agent_beats_applied_after_their_deadline_post_one_decision_not_one_each():

@@ -394,10 +394,36 @@ def test_where_each_rank_runs_is_journaled_and_pushed_to_the_detector_after_a_re
     (stored,) = [j for j in journal.load_jobs() if j.status.job_id == job_id]
     journal.close()
     assert stored.runtime["placement"] == {"0": "wa", "1": "wb"}
+    assert stored.runtime["launched"] == {}  # (where the launch put them: kept only until every rank is ready)
     spec = spec_from_json(stored.spec_json)
     monitor = start_monitoring(job_id, spec, restored=True, placement={0: "wa", 1: "wb"})
     assert (monitor.world_size, list(monitor.rank_worker_ids)) == (2, ["wa", "wb"])
     assert list(start_monitoring(job_id, spec, restored=True).rank_worker_ids) == ["", ""]
+    assert start_monitoring(job_id, spec, restored=True, step=13615).step == 13615  # (what an unheard rank is at)
+
+
+def test_a_stack_crash_while_warming_up_blames_the_lost_worker_each_rank_was_launched_on(tmp_path, monkeypatch):
+    """Session 34's trial: every process of the stack killed while the job warmed up (no rank
+    ready yet), then the stack brought up again. The restored job's ranks re-attach nowhere:
+    the fault names the worker rank 0 was launched on (worker_lost, as when it RUNS), never a
+    rank silent on a blank worker. Control journaled only where ranks reported ready."""
+    monkeypatch.setattr("services.control.monitoring.REATTACH_MIN_SECONDS", 0.5)
+    liveness = "liveness: {attribution_seconds: 0, heartbeat_interval_seconds: 0.1, heartbeat_timeout_seconds: 0.3}"
+    db = tmp_path / "control.db"
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1", persist_interval_s=0.0))
+    plane.register("wa"), plane.register("wb")
+    job_id = plane.submit(dp=2, extra=liveness).job_id
+    assert plane.get(job_id).state == JobState.WARMING_UP
+    journal.close()  # (control killed: nothing more of it; its node agents were killed too)
+
+    journal = JobStore(db)
+    plane = Plane(build(journal, data_address="d:1", store_address="s:1"))
+    plane.register("wa"), plane.register("wb")  # (the node agents started afresh: no rank to re-attach)
+    faults = settle(lambda: len([e for e in plane.events(job_id) if e.type == "fault"][:1]), 1)
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert faults[0].startswith("SEVERE worker_lost: rank 0 lost with worker wa: no node agent re-attached it"), faults
+    journal.close()
 
 
 def test_a_reconnecting_worker_replaces_its_session_and_its_lost_ranks_are_relaunched_there(plane):

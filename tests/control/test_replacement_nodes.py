@@ -33,15 +33,16 @@ REBUILD_SILENT = REBUILD.replace("worker_lost: rebuild}", "worker_lost: rebuild,
 REBUILD_SPEC = parse_job_spec(spec_yaml(dp=2, extra=REBUILD_SILENT))
 
 
-def silent(rank: int = 1, worker_id: str = "wb", *, unheard: bool) -> control_pb2.FaultReport:
+def silent(rank: int = 1, worker_id: str = "wb", *, unheard: bool, **kw) -> control_pb2.FaultReport:
     return control_pb2.FaultReport(
         job_id="j",
         grade=control_pb2.SEVERE,
-        fault_class="rank_silent",
+        fault_class=kw.pop("fault_class", "rank_silent"),
         rank=rank,
         worker_id=worker_id,
         agent_unheard=unheard,
         detail=f"rank {rank} on worker {worker_id} sent no heartbeat for 4.0 s (deadline 3 s)",
+        **kw,
     )
 
 
@@ -80,6 +81,8 @@ UNKILLABLE = "rank 1's node agent on wb is unheard, its process cannot be ended"
         (silent(unheard=False), ""),  # its agent heard since: it kills the rank, the rebuild goes on
         (silent(unheard=True, worker_id=""), "rank 1's node agent is unheard, its process cannot be ended"),
         (lost(), ""),  # (a lost node's ranks are gone with it)
+        # L1-3 names the silent agent itself (worker_lost, subclass agent_silent): still unkillable.
+        (silent(unheard=True, fault_class="worker_lost", subclass="agent_silent"), UNKILLABLE),
     ],
 )
 def test_a_silent_rank_whose_node_agent_is_unheard_cannot_be_ended(report, why):
@@ -179,11 +182,16 @@ def test_a_silent_rank_says_whether_its_node_agent_was_heard_from_since(agent):
         if agent == "beats on":
             agent_beat()
         time.sleep(0.05)
-    silents = [r for r in reports.wait(1) if r.fault_class == "rank_silent"]
+    # Frozen with it (no beat since the rank's last, and quiet now): the agent that relays the
+    # rank's beats is the party at fault, named (worker_lost, subclass agent_silent: session 34);
+    # an agent that never beat here (none runs) is not known to be silent: the rank is.
+    silents = [r for r in reports.wait(1) if r.job_id]
     assert [(r.rank, r.worker_id) for r in silents] == [(1, "w")], list(reports)
-    # Frozen with it: no beat since the rank's last (and quiet now); an agent that never beat
-    # here (none runs) is not known to be silent.
-    assert silents[0].agent_unheard == (agent == "frozen with it")
+    frozen = agent == "frozen with it"
+    assert (silents[0].fault_class, silents[0].subclass) == (
+        ("worker_lost", "agent_silent") if frozen else ("rank_silent", "")
+    ), silents[0]
+    assert silents[0].agent_unheard == frozen
     # That agent is reported silent with it, before the rank (L1-1 holds its node before it
     # relaunches: its own deadline, 3 s here, is far off), and its next beat clears that.
     agents = [(r.fault_class, r.worker_id, r.cleared) for r in reports if not r.job_id]
@@ -191,7 +199,7 @@ def test_a_silent_rank_says_whether_its_node_agent_was_heard_from_since(agent):
         assert agents == [], list(reports)
         return
     assert agents == [("agent_silent", "w", False)], list(reports)
-    assert [r.fault_class for r in reports][:2] == ["agent_silent", "rank_silent"], list(reports)
+    assert [r.fault_class for r in reports][:2] == ["agent_silent", "worker_lost"], list(reports)
     assert "not since before rank 1 there went silent" in reports[0].detail, reports[0].detail
     # Its own deadline (AGENT_SILENT_MIN_SECONDS after its beat) was cancelled: not declared twice.
     time.sleep(max(0.0, first_beat + AGENT_SILENT_MIN_SECONDS + 0.5 - time.monotonic()))

@@ -33,9 +33,15 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
   named within the timeout plus one beat period (the most by which its last beat can
   precede the stop) after its last beat. The report says whether the rank's node agent was
   heard from since the rank's last beat (``agent_unheard``: no beat since, or quiet now): a
-  node frozen with its agent, whose own silence would be declared later; that agent is then
-  reported ``agent_silent`` at once, before the rank (its next beat ``cleared``), so L1-1's
-  relaunch of every rank (the rank cannot be ended) finds the node held;
+  node frozen with its agent, or the agent alone hung (it relays the rank's beats); that
+  agent is then reported ``agent_silent`` at once if its own deadline has not fired yet,
+  before the rank (its next beat ``cleared``), so L1-1's relaunch of every rank (the rank
+  cannot be ended) finds the node held. The party at fault is then the agent, not the rank
+  (which may be training): the job's report is ``worker_lost`` with subclass
+  ``agent_silent``, naming the agent (unless the agent stated the rank's process stopped:
+  then the rank is ``rank_silent``). A rank restored after a control restart that nothing
+  of was heard since is lost with the worker L1-1 journaled for it (where it reported ready,
+  or where it was launched: a restart during WARMING_UP), at the journaled step;
 * progress: while the rank says it is stepping, a heartbeat that shows progress (a new
   step, a new phase, or more of its phase done: ``RankHeartbeat.phase`` /
   ``phase_progress``) re-arms a timer of its phase's budget: a training step's phases

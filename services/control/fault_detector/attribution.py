@@ -7,8 +7,21 @@ from __future__ import annotations
 import time
 
 from services.contract import control_pb2
-from services.control.fault_detector.rules import _STALLS, _SYMPTOMS, COMM_ERROR, RANK_SILENT, RANK_STALLED
+from services.control.fault_detector.rules import (
+    _STALLS,
+    _SYMPTOMS,
+    AGENT_SILENT,
+    COMM_ERROR,
+    RANK_SILENT,
+    RANK_STALLED,
+)
 from services.control.fault_detector.watch import _Job
+
+
+def _silence(report: control_pb2.FaultReport) -> bool:
+    """A rank's silence: its own (``rank_silent``) or its node agent's, which relays its beats
+    (``worker_lost`` with subclass ``agent_silent``, liveness.py): never a consequence."""
+    return report.fault_class == RANK_SILENT or report.subclass == AGENT_SILENT
 
 
 class Attribution:
@@ -88,7 +101,7 @@ class Attribution:
         for r in held:
             if r.fault_class in _SYMPTOMS:
                 symptomatic.add(r.rank)
-            elif r.rank not in symptomatic or r.fault_class == RANK_SILENT:
+            elif r.rank not in symptomatic or _silence(r):
                 causes.append(r)
         return causes
 
@@ -131,7 +144,7 @@ class Attribution:
                 self._hold(job_id, report, window=job.reattach_s)
                 return
             # A silence is never a consequence: it is published as a cause at once.
-            if job.held and report.fault_class != RANK_SILENT and self._held_rank(job, rank):
+            if job.held and not _silence(report) and self._held_rank(job, rank):
                 job.held.append(report)  # the held rank's own exit follows its symptom
                 return
         self._publish_cause(job_id, report)

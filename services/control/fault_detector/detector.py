@@ -190,6 +190,7 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
             if msg.reattach_seconds > 0:
                 job.reattaching, job.reattach_s = set(range(msg.world_size)), msg.reattach_seconds
                 now = job.restored_unix = time.time()
+                job.restored_step = msg.step
                 workers = list(msg.rank_worker_ids)
                 job.reattach_awaited = {w for w in workers if w}
                 job.reattach_until = time.monotonic() + msg.reattach_seconds

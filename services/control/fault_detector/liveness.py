@@ -148,7 +148,7 @@ class Liveness:
 
     def _agent_unheard_with(self, worker_id: str, rank: int) -> None:
         """Rank ``rank`` of ``worker_id`` went silent and that node's agent was not heard from
-        since (``_agent_unheard``): the agent is reported ``agent_silent`` now, not at its own
+        since (``_agent_quiet``): the agent is reported ``agent_silent`` now, not at its own
         deadline (longer: AGENT_MISSED_BEATS periods), and its next beat reports it ``cleared``
         as after any silence. Why: L1-1 relaunches every rank of the job then (a process there
         cannot be ended, so its survivors could not rebuild around it), and the relaunch must
@@ -330,22 +330,25 @@ class Liveness:
                 wait, self._silence_passed, (msg.job_id, msg.rank, watch), post=self._in_order(msg.job_id)
             )
 
-    def _agent_unheard(self, worker_id: str, silent_for: float) -> bool:
-        """Whether the node agent of ``worker_id`` has not been heard from since a rank of it
-        went silent ``silent_for`` seconds ago, or is quiet now (no beat for ``UNHEARD_PERIODS``
-        of its periods): a rank and its agent frozen together (a stopped or cut-off node),
-        whose agent is not yet declared silent (its own deadline is longer). A replacement
-        placed there would wait for the node to wake (issue 29 item 4, measured: no step in
-        120 s). An agent never heard (none beats here): not known unheard."""
+    def _agent_quiet(self, worker_id: str, silent_for: float) -> float | None:
+        """How long the node agent of ``worker_id`` has been quiet, when it has not been heard
+        from since a rank of it went silent ``silent_for`` seconds ago or is quiet now (no
+        beat for ``UNHEARD_PERIODS`` of its periods): a rank and its agent silent together (a
+        stopped or cut-off node, or the agent alone hung: the rank's beats go through it),
+        whose agent is not yet declared silent (its own deadline is longer), or is. A
+        replacement placed there would wait for the node to wake (issue 29 item 4, measured:
+        no step in 120 s). None: heard from, or never heard (none beats here: not known unheard)."""
         if not worker_id:
-            return False
+            return None
         with self._cluster:
             beat = self._agent_beats.get(worker_id)
         if beat is None:
-            return False
+            return None
         last, period, _ = beat
         now = time.monotonic()
-        return last <= now - silent_for or now - last > UNHEARD_PERIODS * period
+        if last <= now - silent_for or now - last > UNHEARD_PERIODS * period:
+            return now - last
+        return None
 
     # ------------------------------------------------------------ deadlines (timer threads)
 
@@ -353,7 +356,11 @@ class Liveness:
         """The rank's silence deadline passed (``heartbeat_timeout_s`` after its last beat,
         ``running_timeout_s`` while its node agent states its process running,
         ``heartbeat_timeout_s`` after control heard the agent state it stopped): it is
-        declared silent, saying which."""
+        declared silent, saying which. Unless the party at fault is another: a rank restored
+        after a control restart whose worker (as journaled) sent nothing since is lost with it;
+        a rank whose node agent, which relays its beats, went quiet with it (and did not state
+        it stopped) is that agent's fault: ``worker_lost`` with ``subclass`` ``agent_silent``,
+        naming the agent (a healthy rank behind a hung agent was named silent, session 34)."""
         with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch:
@@ -362,11 +369,13 @@ class Liveness:
             del job.ranks[rank]  # declared once; a new heartbeat starts a new watch
             watch.cancel()
             timeout = job.heartbeat_timeout_s
-            # Nothing of it since the restart, nor of another rank of the worker it ran on (as
-            # journaled): that worker is gone. Where it ran is unknown: only silent.
-            lost = (
-                watch.unheard and rank in job.reattaching and bool(watch.worker_id) and watch.worker_id not in job.back
-            )
+            # Nothing of it since the restart (its deadline was the re-attach window's, not a
+            # heartbeat timeout), nor of another rank of the worker it ran on (as journaled):
+            # that worker is gone. Where it ran is unknown: only not re-attached.
+            restored = watch.unheard and rank in job.reattaching
+            lost = restored and bool(watch.worker_id) and watch.worker_id not in job.back
+            # A rank unheard since the restart sent this control no step: the job's journaled one.
+            step = watch.step if watch.step >= 0 else (job.restored_step if restored else 0)
             # Peers that waited in a collective, without a deadline, while it still looked
             # alive and working: they waited for it. Its consequences, reported after it.
             waiting = [
@@ -380,33 +389,54 @@ class Liveness:
             window = max(job.attribution_s, 0.1)
         now = time.time()
         silent_for = now - watch.last_beat_unix
-        unheard = self._agent_unheard(watch.worker_id, silent_for)
+        agent_quiet = self._agent_quiet(watch.worker_id, silent_for)
+        subclass = ""
         if lost:
             fault_class = WORKER_LOST
             detail = (
                 f"rank {rank} lost with worker {watch.worker_id}: no node agent re-attached it "
-                f"within {silent_for:.1f} s of the control restart"
+                f"within {silent_for:.1f} s of the control restart, after step {step}"
+            )
+        elif agent_quiet is not None and state != control_pb2.RankProcessState.STOPPED:
+            # Its beats come through its node agent, silent too (typed from the agent's own
+            # beats, AgentHeartbeat): the agent's fault, not the rank's (it may well be
+            # training). To the job that worker is lost, as when an agent silent holds a
+            # rebuild's replacements (L1-1's _replacements_held): ``subclass`` names the agent.
+            fault_class, subclass = WORKER_LOST, AGENT_SILENT
+            detail = (
+                f"the node agent of {watch.worker_id} sent no AgentHeartbeat for {agent_quiet:.1f} s: "
+                f"rank {rank}'s heartbeats, which it relays, stopped with it ({silent_for:.1f} s) after step {step}"
+            )
+        elif restored:
+            fault_class = RANK_SILENT
+            where = (
+                f"on worker {watch.worker_id}" if watch.worker_id else "(the worker it was launched on is not known)"
+            )
+            detail = (
+                f"rank {rank} {where} not re-attached: no heartbeat within {silent_for:.1f} s of the control "
+                f"restart (its re-attach deadline) after step {step}"
             )
         elif state == control_pb2.RankProcessState.STOPPED:
             fault_class = RANK_SILENT
             detail = (
                 f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s: its process "
-                f"is {stopped_how or 'stopped'} (stated by its node agent) after step {max(watch.step, 0)}"
+                f"is {stopped_how or 'stopped'} (stated by its node agent) after step {step}"
             )
         elif state == control_pb2.RankProcessState.RUNNING:
             fault_class = RANK_SILENT
             detail = (
                 f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
                 f"(deadline {job.running_timeout_s:g} s for a process its node agent states running) "
-                f"after step {max(watch.step, 0)}"
+                f"after step {step}"
             )
         else:
             fault_class = RANK_SILENT
             detail = (
                 f"rank {rank} on worker {watch.worker_id} sent no heartbeat for {silent_for:.1f} s "
-                f"(deadline {timeout:g} s) after step {max(watch.step, 0)}"
+                f"(deadline {timeout:g} s) after step {step}"
             )
-        if unheard and fault_class == RANK_SILENT:
+        unheard = agent_quiet is not None and fault_class in (RANK_SILENT, WORKER_LOST) and not lost
+        if unheard:
             self._agent_unheard_with(watch.worker_id, rank)  # (before the rank's report: L1-1 holds first)
         self._report(
             job_id,
@@ -416,9 +446,10 @@ class Liveness:
             detail,
             occurred=watch.last_beat_unix,
             worker_id=watch.worker_id,
-            step=max(watch.step, 0),
+            step=step,
             phase=watch.phase,
-            agent_unheard=unheard and fault_class == RANK_SILENT,
+            subclass=subclass,
+            agent_unheard=unheard,
         )
         followers = self._waiting_reports(job_id, waiting, rank, "silent", now)
         if followers:

@@ -107,6 +107,7 @@ class _Job:
     reattach_awaited: set[str] = field(default_factory=set)
     reattach_until: float = 0.0
     restored_unix: float = 0.0  # a beat the rank sent before this is a resent one (stale)
+    restored_step: int = 0  # the job's step as journaled: a rank unheard since the restart is at it
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
     round: int = 0  # which incident round of the job (ResetFaultLedger counts them): sick_nodes.py
     slow: SlowRanks = field(default_factory=SlowRanks)  # compute per step compared (slow_ranks.py)

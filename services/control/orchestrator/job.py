@@ -260,6 +260,12 @@ class _Job:
     unusable: set[str] = field(default_factory=set)  # versions that failed verification
     excluded: set[str] = field(default_factory=set)  # workers left out by exclude_node decisions
     placement: dict[int, str] = field(default_factory=dict)  # rank -> worker it reported ready on
+    # rank -> the worker a launch (a submit's, a resume's) put it on (ResourcesReady.rank_worker_ids),
+    # until every rank reported ready (then ``placement`` says it): journaled, so that a control
+    # restart during WARMING_UP names the worker of a rank never re-attached (session 34's trial:
+    # "rank 0 on worker  sent no heartbeat"). Apart from ``placement``: a rank launched is not yet
+    # one that runs there for a drain, a preemption or a rebuild.
+    launched: dict[int, str] = field(default_factory=dict)
     start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
     boundary_failed: bool = False  # the checkpoint of the pause/stop boundary in flight could not be saved
     # Versions committed after the one an operator resume went back to: another branch of
@@ -385,6 +391,11 @@ class _Job:
         return max(self.micro_batch_cap_seen, self.spec.data.micro_batch_size)
 
 
+def launched_on(reply: control_pb2.ResourcesReady) -> dict[int, str]:
+    """rank -> the worker the allocator launched it on (``{}`` from an allocator that does not say)."""
+    return {r: w for r, w in enumerate(reply.rank_worker_ids) if w}
+
+
 def _numbered(job: _Job, cmd: Any) -> Any:
     """``cmd`` (a boundary command) for the job's ranks with the job's next number, kept in
     flight until the ranks are seen to agree on it."""
@@ -428,6 +439,7 @@ def _runtime(job: _Job) -> dict:
         "unusable": sorted(job.unusable),
         "excluded": sorted(job.excluded),
         "placement": dict(job.placement),  # (int keys: JSON writes them as strings; a copy in C, per event)
+        "launched": dict(job.launched),  # (empty once every rank reported ready)
         "start_held": job.start_held,
         "abandoned": sorted(job.abandoned),
         "incident": _incident_to_json(job.incident) if job.incident is not None else None,
@@ -521,6 +533,7 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.unusable = set(rt.get("unusable", ()))
     job.excluded = set(rt.get("excluded", ()))
     job.placement = {int(r): str(w) for r, w in rt.get("placement", {}).items()}
+    job.launched = {int(r): str(w) for r, w in rt.get("launched", {}).items()}
     job.start_held = bool(rt.get("start_held", False))
     job.abandoned = set(rt.get("abandoned", ()))
     job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))

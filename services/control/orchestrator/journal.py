@@ -88,7 +88,15 @@ class JournalRestore:
                 # would otherwise stay listed for good.
                 del job.status.slow_ranks[:]
                 del job.status.links[:]  # (likewise: a link still faulty is stated again)
-                self._faults(start_monitoring(job.status.job_id, job.spec, restored=True, placement=job.placement))
+                self._faults(
+                    start_monitoring(
+                        job.status.job_id,
+                        job.spec,
+                        restored=True,
+                        placement={**job.launched, **job.placement},  # (ready ranks: where they reported it)
+                        step=job.status.step,
+                    )
+                )
                 # The allocator learns the job again (what a recovery relaunches), with the
                 # workers it must not use; its slots are taken as the node agents re-attach
                 # the ranks.

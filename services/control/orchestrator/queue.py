@@ -13,7 +13,7 @@ from services.contract import control_pb2, engine_pb2
 from services.control import fault_decision as fd
 from services.control.job_queue import QueueEntry, check_priority
 from services.control.monitoring import start_monitoring
-from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job
+from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, launched_on
 from services.control.orchestrator.layout import _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, JobDoesNotFit
 from services.control.orchestrator.request_ids import spec_sha256, submitted_before
@@ -178,6 +178,7 @@ class JobQueueing:
                 f"rendezvous {reply.master_addr}:{reply.master_port}",
             )
             job.status.placed_by_kind.CopyFrom(reply.placed)  # (where an ``any`` job landed: teams.py)
+            job.launched = launched_on(reply)  # (journaled with the transition below)
             lent = f" ({borrowed} on capacity its team borrowed)" if borrowed else ""
             self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching{lent}")
         except BaseException as e:

@@ -143,6 +143,7 @@ class Recovery:
         self._end_data_wait(job)  # (its ranks are replaced: a new generation says what it waits for)
         self._release_held(job, incident)  # (a save that broke a moment before this fault came)
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
+        job.launched = {}
         job.verdicts.clear()
         job.revoked.clear()
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
@@ -207,7 +208,7 @@ class Recovery:
             # kills exit as released (no decision); the failed generation's are still counted
             # in ``dying``. Not journaled: killed again before it completes, it is resumed again.
             incident.resumed, incident.repeated_unix, again = False, time.time(), True
-            job.started, job.exited, job.placement = set(), set(), {}
+            job.started, job.exited, job.placement, job.launched = set(), set(), {}, {}
         if again:  # (after its decision's record: the relaunch follows it)
             self._recover(job, incident)
 

@@ -32,13 +32,14 @@ from services.jobspec import IN_PLACE_ACTIONS
 
 # L1-3's class of a rank silent past its deadline (fault_detector/rules.py RANK_SILENT).
 RANK_SILENT = "rank_silent"
+WORKER_LOST = "worker_lost"
 
 
 def unkillable(report: control_pb2.FaultReport) -> str:
     """Why ``report``'s rank cannot be ended, so no rebuild in place can free its survivors
     ("": nothing says so): a silent rank whose node agent was not heard from since."""
-    if report.fault_class != RANK_SILENT or not report.agent_unheard:
-        return ""
+    if report.fault_class not in (RANK_SILENT, WORKER_LOST) or not report.agent_unheard:
+        return ""  # (worker_lost: L1-3 names the silent agent itself, subclass agent_silent)
     where = f" on {report.worker_id}" if report.worker_id else ""
     return (
         f"rank {report.rank}'s node agent{where} is unheard, its process cannot be ended "

@@ -114,6 +114,7 @@ class Resizing:
         job.status.world_size = spec.world_size
         _set_layout(job.status, spec)
         job.placement = {r: w for r, w in job.placement.items() if r < spec.world_size}
+        job.launched = {}  # (the resized group's ranks report where they are)
 
     def _scaled(self, job: _Job, msg: engine_pb2.TrainingLoopStarted) -> None:
         """Under the lock: every rank of the resized group is ready: start them

@@ -24,6 +24,7 @@ from services.control.orchestrator.job import (
     _Recovered,
     _Resume,
     _runtime,
+    launched_on,
 )
 from services.control.orchestrator.layout import _layout_asked, _layout_change, _layout_flags, _new_layout, _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
@@ -368,6 +369,7 @@ class OperatorResume:
             # old ranks finished: the clean exit of one reported after this is no fault
             # (each entry goes when the rank's new process reports ready).
             job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
+            job.launched = launched_on(reply)  # (journaled with the decision below)
             job.pending, job.pending_at = "", 0
             end(job, _Incident)  # (this resume's own activity ends when its answer is given)
             end(job, _Recovered)

@@ -64,6 +64,8 @@ class RankEvents:
                 job.scale.healed_from[msg.rank] = msg.healed_from_rank
             if msg.worker_id:  # journaled: a restarted control knows where each rank ran
                 job.placement[msg.rank] = msg.worker_id
+            if job.launched and len(job.started) >= job.status.world_size:
+                job.launched = {}  # (every rank ready: ``placement`` says where each one is)
             if msg.rank == 0 and msg.peak_tflops:  # what the job's MFU divides by (rank 0's device)
                 job.status.peak_tflops, job.status.peak_source = msg.peak_tflops, msg.peak_source
             incident = job.incident

@@ -230,6 +230,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             master_port=master_port,
             worker_ids=list(launches),
             placed=placed,
+            rank_worker_ids=rank_nodes,  # (L1-1 journals where each rank went: a restart in WARMING_UP)
         )
 
     def release_resources(
