@@ -305,6 +305,20 @@ def test_a_fault_whose_policy_is_stop_fails_the_job_and_kills_the_ranks(plane):
     assert [(c.release.job_id, c.release.kill) for c in drain(w["wb"])] == [(job_id, True)]
 
 
+def test_a_failed_job_with_a_checkpoint_says_where_resume_continues_from(plane, store):
+    """As a stopped job's end says it (an operator's trial: a FAILED job gave no hint)."""
+    job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {actions: {non_finite_loss: stop}}")
+    saved(plane, w["wa"], job_id, 1, step=2)
+    failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="non_finite_loss", detail="loss is nan")
+    plane.rank_event(w["wa"], job_id, 0, failed=failed)
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.FAILED)
+    assert s.message == (
+        "FAILED: FATAL non_finite_loss: rank 0 failed at step 3: loss is nan; "
+        f"`surgectl resume {job_id}` continues from checkpoint {job_id}:1 (step 2)"
+    )
+
+
 def test_an_ignored_fault_is_recorded_and_counted_and_nothing_else_happens(plane):
     job_id, w = running(plane, "wa", "wb", extra=QUICK + "\nfault_policy: {actions: {SEVERE: ignore}}")
     for _ in range(2):
@@ -651,7 +665,9 @@ def test_a_store_unreachable_past_store_wait_seconds_is_decided_by_the_policy(pl
     # (The decision is journaled before it ends: its commands and its status follow it.)
     if outcome == "failed":
         settle(lambda: (plane.get(job_id).state, plane.get(job_id).outcome), (JobState.TERMINATED, JobOutcome.FAILED))
-        assert plane.get(job_id).message.endswith("every checkpoint is kept")
+        assert plane.get(job_id).message.endswith(
+            f"every checkpoint is kept; `surgectl resume {job_id}` continues from checkpoint {v1} (step 4)"
+        ), plane.get(job_id).message
     else:  # goes on with the version reported, unverified: the ranks check its digests as they load it
         launched: list[str] = []
         settle(lambda: launched.extend(resumes(w["wa"])) or launched, [v1])
