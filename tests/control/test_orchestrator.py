@@ -542,3 +542,20 @@ def test_a_recovery_with_no_checkpoint_to_load_is_decided_by_the_no_checkpoint_p
         assert s.state == JobState.FAULT_FROZEN
         launched = [c.launch for c in drain(a) + drain(b) if c is not None and c.WhichOneof("command") == "launch"]
         assert launched and all(not launch.init.resume_version for launch in launched)
+
+
+def test_the_running_transition_counts_its_ranks_in_words_that_read_right():
+    """("all 1 ranks ready" read wrong to an operator's trial)"""
+    from services.control.orchestrator.training import _ready_text
+
+    assert _ready_text(1) == "the rank is ready; training started"
+    assert _ready_text(8) == "all 8 ranks ready; training started"
+
+
+def test_a_one_rank_job_says_its_rank_is_ready(plane):
+    a = plane.register("wa")
+    job_id = plane.submit(dp=1).job_id
+    plane.rank_event(a, job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
+    settle(lambda: plane.get(job_id).state, JobState.RUNNING)
+    assert any(e.message == "WARMING_UP -> RUNNING: the rank is ready; training started" for e in plane.events(job_id))
+    drain(a)

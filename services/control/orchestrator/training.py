@@ -98,7 +98,7 @@ class RankEvents:
         relaunch) is ready: the group starts."""
         self._start_group(job)
         job.running_since = time.time()
-        self._transition(job, JobState.RUNNING, ORCH, f"all {job.status.world_size} ranks ready; training started")
+        self._transition(job, JobState.RUNNING, ORCH, _ready_text(job.status.world_size))
         self._preemption_on_run()
 
     def on_step_completed(self, msg: engine_pb2.StepCompleted, payload: Any = None) -> None:
@@ -421,3 +421,10 @@ class RankEvents:
                 self._keep(job)
                 return
             self._loop(verdict)
+
+
+def _ready_text(world_size: int) -> str:
+    """The RUNNING transition's words ("all 1 ranks ready" read wrong to a trial's operator)."""
+    return (
+        "the rank is ready; training started" if world_size == 1 else f"all {world_size} ranks ready; training started"
+    )
