@@ -16,6 +16,9 @@ def main() -> None:
     try:
         from services.cli.surgectl import main as run
     except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
+        # (nothing can have been asked yet: the commands were still loading)
+        sys.stderr.write(
+            "interrupted while surgectl loaded: nothing was asked of the stack; running it again is safe\n"
+        )
         raise SystemExit(130) from None
     run()

@@ -62,15 +62,11 @@ def main() -> None:
     except _click.UsageError as e:
         render.print_error(" ".join(e.format_message().split()))
         sys.exit(e.exit_code)
-    except typer.Abort:
-        render.err_console.print("interrupted")
-        sys.exit(130)
     except CliError as e:
         render.print_error(str(e))
         sys.exit(e.code)
-    except KeyboardInterrupt:
-        render.err_console.print("interrupted")
-        sys.exit(130)
+    except (typer.Abort, KeyboardInterrupt):  # (a Ctrl-C before a command's own handler: was a bare "interrupted")
+        code = 130
     if code == 130 and not render.interrupt_said:  # typer's exit for a KeyboardInterrupt no command caught
         command = sys.argv[1] if len(sys.argv) > 1 else ""
         render.err_console.print(

@@ -25,7 +25,10 @@ def test_a_ctrl_c_while_the_commands_load_is_one_line_and_exit_130(monkeypatch, 
     monkeypatch.setattr(sys, "meta_path", [_InterruptedLoad(), *sys.meta_path])
     with pytest.raises(SystemExit) as e:
         entry.main()
-    assert e.value.code == 130 and capsys.readouterr().err == "interrupted\n"
+    assert e.value.code == 130
+    assert capsys.readouterr().err == (
+        "interrupted while surgectl loaded: nothing was asked of the stack; running it again is safe\n"
+    )
 
 
 def test_the_entry_point_runs_the_commands(monkeypatch, capsys):
@@ -68,4 +71,24 @@ def test_a_checkout_without_make_setup_says_to_run_it_not_no_module_named_surge(
     assert control.returncode == 1 and "No module named 'surge'" not in control.stderr
     assert control.stderr.strip().splitlines()[-1].startswith(f"ImportError: {gen} has no generated gRPC code"), (
         control.stderr
+    )
+
+
+def test_a_ctrl_c_no_command_caught_says_what_may_have_been_cut_short(monkeypatch, capsys):
+    """A Ctrl-C that reaches the program before (or outside) a command's own handler: was a bare
+    "interrupted", which told an operator's trial nothing of what to do next."""
+    from services.cli import render, surgectl
+
+    def app(**_):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(surgectl, "app", app)
+    monkeypatch.setattr(render, "interrupt_said", False)
+    monkeypatch.setattr(sys, "argv", ["surgectl", "scale", "j", "--dp", "2"])
+    with pytest.raises(SystemExit) as e:
+        surgectl.main()
+    err = " ".join(capsys.readouterr().err.split())
+    assert e.value.code == 130
+    assert err.startswith("interrupted: `surgectl scale` may have been cut short after it asked the stack something"), (
+        err
     )
