@@ -972,6 +972,26 @@ def test_a_survivor_s_save_dropped_with_the_old_group_is_that_fault_s_consequenc
     assert len(decisions(plane, job_id)) == 1
 
 
+def test_an_old_groups_save_is_that_faults_consequence_though_control_had_not_heard_of_its_step(plane):
+    """A rank's steps reach control up to a beat late (they ride its heartbeat): the survivor
+    saved step 8 in the old group while control knew step 6 when it decided. The rebuilt
+    group started at step 8, so that save was the old group's (CI, test_netns_bed: "the save of
+    step 220 was dropped with the replaced group" recorded as a failure of its own)."""
+    job_id, w = running(plane, "wa", "wb", extra=REBUILD.replace("attribution_seconds: 0", SHORT_WINDOW))
+    for n in range(1, 7):
+        plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    for rank, session in ((0, w["wa"]), (1, w["wb"])):
+        started = engine_pb2.TrainingLoopStarted(rank=rank, start_step=8, rebuild_generation=1, healed=True)
+        plane.rank_event(session, job_id, rank, started=started)
+    assert plane.get(job_id).state == JobState.RUNNING
+    plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 8))
+    assert checkpoint_records(plane, job_id) == [
+        f"checkpoint save failed, expected: {BROKEN} (consequence of rank 1's rank_exit)"
+    ]
+    assert len(decisions(plane, job_id)) == 1
+
+
 def test_the_last_rank_holding_the_state_lost_during_the_rebuild_falls_back_to_relaunching_every_rank(plane, store):
     job_id, w = running(plane, "wa", "wb", extra=REBUILD)
     saved(plane, w["wa"], job_id, 1, step=4)

@@ -86,11 +86,14 @@ def _attribution_window(spec: JobSpec) -> float:
 
 def _old_world_save(incident: _Incident | None, msg: store_pb2.SnapshotFailed) -> _Incident | None:
     """``incident``, if ``msg`` is a save its survivors began before it (a step no later than
-    the job's when it was decided): dropped with the group it rebuilt, reported by the relay
-    at the next save, long after the recovery."""
+    the job's when it was decided, or than the step its rebuilt group started at: a rank's
+    steps reach control up to a beat late, so the job's step may lag the ranks' at the
+    decision): dropped with the group it rebuilt, reported by the relay at the next save,
+    long after the recovery. A save of the new group is of a later step than it started at."""
     if incident is None or incident.action not in IN_PLACE_ACTIONS:
         return None
-    return incident if msg.operation == "save" and 0 < msg.step <= incident.at_step else None
+    began_before = 0 < msg.step <= max(incident.at_step, incident.started_at)
+    return incident if msg.operation == "save" and began_before else None
 
 
 class FaultIntake:

@@ -142,6 +142,7 @@ class _Incident:
     healed_from: dict[int, int] = field(default_factory=dict)
     recovered_unix: float = 0.0  # when every rank was ready again (not journaled)
     at_step: int = 0  # the job's last completed step when it was decided (not journaled)
+    started_at: int = 0  # the step its recovered ranks started at (not journaled)
     # shrink (issue 16): the job at the smaller data-parallel size its ranks go on at, once no
     # slot was free for a replacement (journaled as the layout's three numbers).
     shrunk: JobSpec | None = None

@@ -435,6 +435,7 @@ class Recovery:
             self._cancel_timer(incident)
             end(job, incident)
             incident.recovered_unix = time.time()
+            incident.started_at = start_step
             job.last_incident = incident
             job.running_since = job.running_since or time.time()  # (a fault while warming up)
             # Awaiting its first step (in the slot, idle), unless held: its ranks wait for an
