@@ -84,6 +84,7 @@ def test_a_ctrl_c_no_command_caught_says_what_may_have_been_cut_short(monkeypatc
 
     monkeypatch.setattr(surgectl, "app", app)
     monkeypatch.setattr(render, "interrupt_said", False)
+    monkeypatch.setattr(render, "interrupt_line", "")  # (an earlier command's in this process: not this one's)
     monkeypatch.setattr(sys, "argv", ["surgectl", "scale", "j", "--dp", "2"])
     with pytest.raises(SystemExit) as e:
         surgectl.main()

@@ -98,7 +98,8 @@ def test_jobs_wait_in_order_and_the_head_starts_when_the_running_job_ends(plane)
     assert launched(wa) == [a.job_id]
     finish(plane, wa, a.job_id)
     settle(lambda: plane.get(b.job_id).state, JobState.WARMING_UP)
-    assert (plane.get(c.job_id).state, places(plane, b.job_id, c.job_id)) == (JobState.STANDBY, [0, 1])
+    # (the queue's places are published after the decision's states: read once they are)
+    settle(lambda: (plane.get(c.job_id).state, places(plane, b.job_id, c.job_id)), (JobState.STANDBY, [0, 1]))
     assert launched(wa) == [b.job_id]
     log = [(e.type, e.message) for e in plane.events(b.job_id)]
     assert log[0][0] == "queue" and log[0][1].startswith("queued at position 1 of 1, priority 0: needs 1 rank")

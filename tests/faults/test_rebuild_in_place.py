@@ -289,7 +289,12 @@ def test_a_lost_node_agent_s_rank_moves_to_the_spare_worker_and_the_survivor_kee
     stack.wait_step(job, 6)
     (survivor,) = stack.rank_pids(job, 0)
     services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
-    placed = next(iter(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))).message
+    # (the placement's event: a job queued first, behind an earlier test's, has others before it)
+    placed = next(
+        e.message
+        for e in stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30)
+        if " allocated on " in e.message
+    )
     worker = placed.split(" allocated on ")[1].split(";")[0].split(", ")[1]  # rank 1's node agent
     killed = time.time()
     os.kill(services[worker]["pid"], signal.SIGKILL)
