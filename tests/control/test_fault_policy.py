@@ -947,17 +947,24 @@ def test_a_step_that_arrives_after_the_fault_of_a_rebuild_counts_once(plane):
     assert (plane.get(job_id).step, plane.get(job_id).tokens_seen) == (1, 64)
 
 
-def test_a_survivor_s_save_dropped_with_the_old_group_is_that_fault_s_consequence_though_reported_after_it(plane):
-    # The survivor's relay learns its step-6 save died with the old group only at its next
-    # save, long after the rebuild recovered (CI: the rbsave test found no record at all).
+def rebuilt_after_step_6(plane, start_step: int):
+    """A dp 2 job control heard step 6 of, rank 1 killed, the group rebuilt in place and
+    started at ``start_step`` (the survivor's own step): RUNNING again."""
     job_id, w = running(plane, "wa", "wb", extra=REBUILD.replace("attribution_seconds: 0", SHORT_WINDOW))
     for n in range(1, 7):
         plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
     plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
     for rank, session in ((0, w["wa"]), (1, w["wb"])):
-        started = engine_pb2.TrainingLoopStarted(rank=rank, start_step=6, rebuild_generation=1, healed=True)
+        started = engine_pb2.TrainingLoopStarted(rank=rank, start_step=start_step, rebuild_generation=1, healed=True)
         plane.rank_event(session, job_id, rank, started=started)
     assert plane.get(job_id).state == JobState.RUNNING
+    return job_id, w
+
+
+def test_a_survivor_s_save_dropped_with_the_old_group_is_that_fault_s_consequence_though_reported_after_it(plane):
+    # The survivor's relay learns its step-6 save died with the old group only at its next
+    # save, long after the rebuild recovered (CI: the rbsave test found no record at all).
+    job_id, w = rebuilt_after_step_6(plane, start_step=6)
     plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 6))
     assert checkpoint_records(plane, job_id) == [
         f"checkpoint save failed, expected: {BROKEN} (consequence of rank 1's rank_exit)"
@@ -977,14 +984,7 @@ def test_an_old_groups_save_is_that_faults_consequence_though_control_had_not_he
     saved step 8 in the old group while control knew step 6 when it decided. The rebuilt
     group started at step 8, so that save was the old group's (CI, test_netns_bed: "the save of
     step 220 was dropped with the replaced group" recorded as a failure of its own)."""
-    job_id, w = running(plane, "wa", "wb", extra=REBUILD.replace("attribution_seconds: 0", SHORT_WINDOW))
-    for n in range(1, 7):
-        plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
-    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
-    for rank, session in ((0, w["wa"]), (1, w["wb"])):
-        started = engine_pb2.TrainingLoopStarted(rank=rank, start_step=8, rebuild_generation=1, healed=True)
-        plane.rank_event(session, job_id, rank, started=started)
-    assert plane.get(job_id).state == JobState.RUNNING
+    job_id, w = rebuilt_after_step_6(plane, start_step=8)
     plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 8))
     assert checkpoint_records(plane, job_id) == [
         f"checkpoint save failed, expected: {BROKEN} (consequence of rank 1's rank_exit)"
