@@ -5,30 +5,14 @@ that asks for something (`--from`, a layout) of a running job is still refused, 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from services.contract import control_pb2
 from services.control.orchestrator import IllegalTransition
-from tests.conftest import REPO
+from tests.integration.test_end_to_end import cli
 
 from .test_drain import ScriptedOrchestrator, control_server  # noqa: F401 - fixture
 
 JobState = control_pb2.JobState
 WORDS = "job {} is RUNNING, not PAUSED: resume continues a PAUSED job, or relaunches a STOPPED or FAILED one"
-
-
-def surgectl(address: str, home, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SURGE_HOME": str(home), "SURGE_CONTROL_ADDRESS": address, "COLUMNS": "200"}
-    return subprocess.run(
-        [sys.executable, "-m", "services.cli.surgectl", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_a_resume_of_a_running_job_says_it_runs_already_and_exits_0(control_server, tmp_path):  # noqa: F811
@@ -40,7 +24,7 @@ def test_a_resume_of_a_running_job_says_it_runs_already_and_exits_0(control_serv
         },
     )
     address = control_server(control)
-    r = surgectl(address, tmp_path, "resume", "run-1")
+    r = cli(tmp_path, "resume", "run-1", env={"SURGE_CONTROL_ADDRESS": address})
     assert (r.returncode, r.stdout.strip(), r.stderr) == (0, "run-1: already RUNNING; nothing to resume", "")
-    r = surgectl(address, tmp_path, "resume", "other-2", "--from", "other-2:1")
+    r = cli(tmp_path, "resume", "other-2", "--from", "other-2:1", env={"SURGE_CONTROL_ADDRESS": address})
     assert r.returncode == 1 and r.stderr.strip() == f"error: {WORDS.format('other-2')}", r.stderr
