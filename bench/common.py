@@ -1,8 +1,9 @@
 """Shared pieces of the benchmarks: a private SURGE_HOME, the local stack, a Surge job run
 to its end, a torchrun run, per-step records, statistics and the results file.
 
-Everything a benchmark starts lives under ``.surge/bench`` (SURGE_HOME), datasets under
-``.surge/datasets`` (shared with `make demo`, prepared once, ~2 s). Times are wall-clock
+Everything a benchmark starts lives under ``$SURGE_HOME/bench`` (its own SURGE_HOME), datasets
+under ``$SURGE_HOME/datasets`` (shared with `make demo`, prepared once, ~2 s); SURGE_HOME unset:
+the clone's ``.surge``, as for every surgectl command (README: all state lives under SURGE_HOME). Times are wall-clock
 ``time.time()`` seconds unless a name says otherwise.
 """
 
@@ -24,8 +25,19 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
-BENCH_HOME = REPO / ".surge" / "bench"
-DATA_ROOT = REPO / ".surge" / "datasets"
+BENCH_ROOT_ENV = "SURGE_BENCH_ROOT"  # the root setup_env chose, for the children it starts
+
+
+def surge_root() -> Path:
+    """Where the benches keep their state: the operator's SURGE_HOME (default: the clone's
+    ``.surge``). A bench's child (multiprocessing, a subprocess) runs with SURGE_HOME set to
+    the bench's own home below it, so the root :func:`setup_env` chose is handed down apart."""
+    home = os.environ.get(BENCH_ROOT_ENV) or os.environ.get("SURGE_HOME")
+    return Path(home).expanduser().absolute() if home else REPO / ".surge"
+
+
+BENCH_HOME = surge_root() / "bench"
+DATA_ROOT = surge_root() / "datasets"
 PY = sys.executable
 TORCHRUN = str(Path(PY).with_name("torchrun"))
 QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
@@ -34,6 +46,7 @@ QUICK = os.environ.get("BENCH_QUICK", "") not in ("", "0")
 def setup_env() -> None:
     """Point every Surge client and service this process starts at the bench home, and
     prepare the stdlib dataset if it is missing."""
+    os.environ[BENCH_ROOT_ENV] = str(BENCH_HOME.parent)
     os.environ["SURGE_HOME"] = str(BENCH_HOME)
     os.environ["SURGE_DATA_ROOT"] = str(DATA_ROOT)
     os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -7,7 +7,8 @@
     BENCH_QUICK=1: 128 x 8 ranks, 1,000 agents, 1,000 through the restart, 20 s windows
 
 Starts control, store and data (``surgectl up`` with no worker, a fresh SURGE_HOME under
-.surge/bench) and then simulated node agents: real gRPC clients speaking the node agent's
+$SURGE_HOME/bench, the clone's .surge/bench when SURGE_HOME is unset) and then simulated node
+agents: real gRPC clients speaking the node agent's
 side of ``ControlService.WorkerSession`` as services/worker/control_link.py does (register,
 every event sequenced and kept until acknowledged, re-register after a broken stream with
 the ranks still running and resend what control has not applied; each rank's process stated
@@ -33,7 +34,12 @@ Beats go up as the node agent sends them (services/worker/rank_beats.py): one un
 control's ``handling_ms``, not an ack latency; sequenced and acked before session 32) with every local rank's beat and the agent's own
 ``AgentHeartbeat`` riding in it; an agent with no stepping rank sends its beat alone,
 unsequenced. (Before session 29 the simulated agent sent one message per rank beat and no
-agent beat: 8,192 messages/s at 1,024 x 8 where the real agents send 1,024.)
+agent beat: 8,192 messages/s at 1,024 x 8 where the real agents send 1,024.) Where control
+grants it (the ``surge-liveness-bin`` header, services/control/liveness_datagrams.py), the agent's
+own beat goes as a signed ``AgentLiveness`` UDP datagram instead (one socket per agent process),
+not riding, as the node agent sends it; a session told ``BeatOnSession`` beats on its stream.
+Reported: ``datagrams_read_per_s`` (control's count), ``handling_ms.datagram_delay`` (the
+agent's send -> taken at control) and the agents' own counts (``agents_datagrams``...).
 * ``restart``: ``--restart-agents`` agents as in ``heartbeats``; after the steady window
   control is SIGKILLed and started again with the same command line (``stack.restart``), the
   agents re-register on their own, and for ``--after-restart`` seconds (beyond control's
@@ -67,6 +73,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -80,6 +87,7 @@ from bench import common as c  # noqa: E402
 FULL = {"nodes": 1024, "agents": 10_000, "restart_agents": 3000, "seconds": 30.0}
 QUICK_SIZES = {"nodes": 128, "agents": 1000, "restart_agents": 1000, "seconds": 20.0}
 REGISTERED_HEADER, LAST_SEQ_HEADER = "surge-registered", "surge-last-seq"  # services/control/server.py
+LIVENESS_HEADER = "surge-liveness-bin"  # services/control/liveness_datagrams.py: the agent's grant
 BATCHES_HEADER = "surge-batches"  # services/control/server.py: control reads WorkerEvent.batch
 
 
@@ -130,8 +138,21 @@ async def _agents(address: str, ids: list[int], cfg: dict, shared: Shared, out_q
         grpc.aio.insecure_channel(address, options=options)
         for _ in range(max(1, len(ids) // cfg["agents_per_channel"]))
     ]
-    stats = {"latency": collections.defaultdict(list), "errors": [], "error_workers": set(), "sessions": 0, "resent": 0}
-    agents = [SimAgent(i, cfg, channels[k % len(channels)], shared, stats) for k, i in enumerate(ids)]
+    stats = {
+        "latency": collections.defaultdict(list),
+        "errors": [],
+        "error_workers": set(),
+        "sessions": 0,
+        "resent": 0,
+        "datagrams": 0,
+        "datagrams_failed": 0,
+        "beat_on_session": 0,
+    }
+    # The agents' liveness datagrams (one socket for the process's agents: each signs its own).
+    udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    udp.setblocking(False)
+    host = address.rsplit(":", 1)[0]
+    agents = [SimAgent(i, cfg, channels[k % len(channels)], shared, stats, (udp, host)) for k, i in enumerate(ids)]
     tasks = [asyncio.create_task(a.run()) for a in agents]
     while not shared.stop.is_set():
         await asyncio.sleep(0.2)
@@ -146,8 +167,12 @@ async def _agents(address: str, ids: list[int], cfg: dict, shared: Shared, out_q
             "error_workers": sorted(stats["error_workers"]),
             "sessions": stats["sessions"],
             "resent": stats["resent"],
+            "datagrams": stats["datagrams"],
+            "datagrams_failed": stats["datagrams_failed"],
+            "beat_on_session": stats["beat_on_session"],
         }
     )
+    udp.close()
     for ch in channels:
         await ch.close()
 
@@ -156,7 +181,7 @@ class SimAgent:
     """One simulated node agent: a WorkerSession stream with an outbox of sequenced events
     kept until acknowledged, re-opened when it breaks (as control_link.ControlSession)."""
 
-    def __init__(self, index: int, cfg: dict, channel, shared: Shared, stats: dict):
+    def __init__(self, index: int, cfg: dict, channel, shared: Shared, stats: dict, udp: tuple):
         from services.contract import control_pb2, control_pb2_grpc
 
         self.i, self.cfg, self.shared, self.stats = index, cfg, shared, stats
@@ -173,6 +198,14 @@ class SimAgent:
         self.batches = False  # the session's control reads WorkerEvent.batch
         self.held: list | None = None  # events emitted while a launch is stated (one batch)
         self.last_beat = 0.0  # when this agent last sent a beat (its own or its ranks')
+        # Its own beat as a datagram (services/worker/liveness_sender.py) while control's grant
+        # holds: (the process's socket, control's host); the session's grant; its seq.
+        self.udp, self.grant, self.lseq = udp, None, 0
+        self.on_session = False  # control hears none of its datagrams: its beat on the stream too
+        # Which of its ranks' beats ride its datagram (services/common/liveness_progress.py)
+        from services.common.liveness_progress import ProgressSplit
+
+        self.split = ProgressSplit()
 
     # ---- the stream
 
@@ -226,6 +259,10 @@ class SimAgent:
                 await call  # raises the call's status
                 return
             applied = int(header.get(LAST_SEQ_HEADER, "0"))
+            grant = header.get(LIVENESS_HEADER)
+            self.grant = self.pb.LivenessGrant.FromString(grant) if grant else None
+            self.lseq, self.on_session = 0, False
+            self.split.reset()  # (a new session learns each rank from the session first)
             self.batches = header.get(BATCHES_HEADER) == "1"
             while self.outbox and self.outbox[0][0] <= applied:
                 self.outbox.popleft()
@@ -247,6 +284,7 @@ class SimAgent:
                 self._command(cmd)
         finally:
             self.queue = None
+            self.grant = None  # (this session's)
             queue.put_nowait(None)
             call.cancel()
 
@@ -285,6 +323,9 @@ class SimAgent:
             self._release(cmd.release)
         elif kind == "routed" and cmd.routed.type == "surge.v1.StartTraining":  # to the job's ranks
             self.stepping = True
+        elif kind == "beat_on_session":  # control's word on its datagrams (heard again: datagrams alone)
+            self.on_session = not cmd.beat_on_session.datagrams_heard
+            self.stats["beat_on_session"] += self.on_session
 
     def _launch(self, launch) -> None:
         from services.contract import Module, engine_pb2, worker_pb2
@@ -454,8 +495,22 @@ class SimAgent:
             )
             for r in sorted(self.ranks)
         ]
-        agent = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=t)
         self.last_beat = time.time()
+        if self.grant is not None:  # its own beat as a datagram (as the node agent's)
+            # with the ranks' beats that repeat what the session told riding in it; the rest (a
+            # rank's first of the session, a change of stepping) on the session
+            from services.common.liveness_progress import pack
+
+            every = beats
+            riding, beats = self.split.split(self.job, beats)
+            packed, unfit = pack(self.job, riding) if riding else (b"", [])
+            self._datagram(t, packed)
+            if not self.on_session:
+                if beats or unfit:
+                    self._fact(self.pb.WorkerEvent(rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats + unfit)))
+                return
+            beats = every  # (told to beat on the stream too: all of them, its own beat riding as well)
+        agent = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=t)
         self._fact(self.pb.WorkerEvent(rank_beats=self.pb.RankBeats(job_id=self.job, beats=beats, agent=agent)))
 
     def _fact(self, ev) -> None:
@@ -466,11 +521,32 @@ class SimAgent:
 
     def _agent_beat_alone(self) -> None:
         """An idle node's agent beat (no rank beats to ride with): unsequenced, never kept
-        or resent (control_link.Outbox.beat)."""
-        if self.queue is not None:
+        or resent (control_link.Outbox.beat); a datagram while control's grant holds."""
+        if self.grant is not None:
+            self.last_beat = time.time()
+            self._datagram(self.last_beat)
+        if (self.grant is None or self.on_session) and self.queue is not None:
             beat = self.pb.AgentHeartbeat(interval_seconds=1.0, unix_time=time.time())
             self.last_beat = time.time()
             self.queue.put_nowait(self.pb.WorkerEvent(heartbeat=beat))
+
+    def _datagram(self, t: float, progress: bytes = b"") -> None:
+        """The agent's own beat as one signed AgentLiveness datagram (liveness_sender.py), its
+        ranks' ``progress`` riding."""
+        from services.common.liveness_mac import liveness_mac
+
+        grant = self.grant
+        self.lseq += 1
+        msg = self.pb.AgentLiveness(
+            slot=grant.slot, session=grant.session, seq=self.lseq, interval_seconds=1.0, unix_time=t, progress=progress
+        )
+        msg.mac = liveness_mac(grant.key, msg)
+        sock, host = self.udp
+        try:
+            sock.sendto(msg.SerializeToString(), (host, grant.port))
+            self.stats["datagrams"] += 1
+        except OSError:  # (a full send buffer: dropped, as the kernel would on the way)
+            self.stats["datagrams_failed"] += 1
 
 
 # ------------------------------------------------------------------ control's side
@@ -490,6 +566,20 @@ def scrape(port: int) -> dict:
                 out["bytes"][f"{s.labels['direction']}:{s.labels['kind']}"] = s.value
             elif s.name == "surge_control_journal_commits_total":
                 out["journal_commits"] = s.value
+            elif s.name == "surge_liveness_datagrams_read_total":
+                out["datagrams_read"] = s.value
+            elif s.name == "surge_liveness_datagrams_dropped_total":
+                out["datagrams_dropped"] = out.get("datagrams_dropped", 0.0) + s.value
+            elif s.name == "surge_liveness_fallbacks_total":
+                out["beat_on_session"] = s.value
+            elif s.name == "surge_liveness_resumed_total":
+                out["datagrams_resumed"] = s.value
+            elif s.name == "surge_liveness_rank_beats_total":
+                out["datagram_rank_beats"] = s.value
+            elif s.name == "surge_liveness_flips_deferred_total":
+                out["flips_deferred"] = s.value
+            elif s.name == "surge_liveness_datagram_delay_seconds_bucket":
+                out.setdefault("datagram_delay", {})[float(s.labels["le"])] = s.value
             elif s.name in ("surge_control_applier_lag_seconds_bucket", "surge_control_apply_seconds_bucket"):
                 key = f"{s.name.removesuffix('_seconds_bucket').removeprefix('surge_control_')}:{s.labels['queue']}"
                 out.setdefault(key, {})[float(s.labels["le"])] = s.value
@@ -505,7 +595,7 @@ def handling(before: dict, after: dict) -> dict:
     not control's handling time; these are."""
     out = {}
     for key, buckets in after.items():
-        if not key.startswith(("applier_lag:", "apply:")):
+        if not key.startswith(("applier_lag:", "apply:", "datagram_delay")):
             continue
         counts = sorted((le, n - before.get(key, {}).get(le, 0.0)) for le, n in buckets.items())
         total = counts[-1][1] if counts else 0.0
@@ -531,6 +621,14 @@ def rates(before: dict, after: dict, seconds: float) -> dict:
         "messages_out_per_s": per_s("messages", "out:"),
         "bytes_in_per_s": per_s("bytes", "in:"),
         "bytes_out_per_s": per_s("bytes", "out:"),
+        "datagrams_read_per_s": (after.get("datagrams_read", 0.0) - before.get("datagrams_read", 0.0)) / seconds,
+        "datagrams_dropped": after.get("datagrams_dropped", 0.0) - before.get("datagrams_dropped", 0.0),
+        "beat_on_session_in_window": after.get("beat_on_session", 0.0) - before.get("beat_on_session", 0.0),
+        "beat_on_session_total": after.get("beat_on_session", 0.0),
+        "datagrams_resumed_total": after.get("datagrams_resumed", 0.0),
+        "datagram_rank_beats_per_s": (after.get("datagram_rank_beats", 0.0) - before.get("datagram_rank_beats", 0.0))
+        / seconds,
+        "flips_deferred_total": after.get("flips_deferred", 0.0),
     }
 
 
@@ -629,6 +727,8 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
     # Control admits 8,192 sessions by default (--max-sessions): 10,000 agents need room, or
     # the last 1,808 are refused and retry for ever (session 33: 8,192 of 10,000 in 420 s).
     os.environ["SURGE_CONTROL_MAX_SESSIONS"] = str(max(8192, nodes + 64))
+    # The agents' liveness datagrams (opt-in in control; --no-datagrams measures without them).
+    os.environ["SURGE_CONTROL_LIVENESS_DATAGRAMS"] = "off" if args.no_datagrams else "on"
     with c.Stack(workers=0) as stack:
         control_pid, address = stack.pid("control"), stack.procs["control"].address
         metrics_port = stack.procs["control"].metrics_port
@@ -729,6 +829,8 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
     workers = sorted(w for r in results for w in r["error_workers"])
     out["client_error_workers"], out["client_error_worker_count"] = workers[:20], len(workers)
     out["events_resent"] = sum(r["resent"] for r in results)
+    for key in ("datagrams", "datagrams_failed", "beat_on_session"):  # the agents' own counts, whole run
+        out[f"agents_{key}"] = sum(r.get(key, 0) for r in results)
     return out
 
 
@@ -858,6 +960,7 @@ def table(results: list[dict]) -> str:
                 f"{r.get('agents_cores', float('nan')):.2f}",
                 f"{r.get('journal_writes_per_s', float('nan')):.0f}",
                 f"{r.get('messages_in_per_s', float('nan')):.0f} / {r.get('messages_out_per_s', float('nan')):.0f}",
+                f"{r.get('datagrams_read_per_s', float('nan')):.0f}",
                 f"{r.get('loadavg_1m', float('nan')):.1f}",
                 r.get("error") or extra,
             )
@@ -872,6 +975,7 @@ def table(results: list[dict]) -> str:
         "agents cores",
         "journal writes/s",
         "msgs in / out per s",
+        "liveness datagrams read/s",
         "load avg 1 min",
         "",
     )
@@ -903,6 +1007,9 @@ def main() -> None:
     )
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 2, help="agent processes (one asyncio loop each)")
     ap.add_argument("--register-timeout", type=float, default=120.0)
+    ap.add_argument(
+        "--no-datagrams", action="store_true", help="control without the agents' liveness datagrams (its default)"
+    )
     ap.add_argument("--only", default="steps,heartbeats,restart", help="comma-separated scenarios")
     ap.add_argument("--out", default=str(c.RESULTS / "control.json"))
     args = ap.parse_args()

@@ -4,7 +4,7 @@ that costs, and how big the launch and rebuild messages are.
 
     PYTHONPATH=$PWD .venv/bin/python bench/control_start.py [--nodes 64] [--ranks-per-node 8]
         [--commit-latency-ms 0] [--phases start,pause,finish] [--json OUT]
-        [--launch-sizes 64,512,8192] [--rebuild-sizes 64,512,8192] [--skip-start]
+        [--launch-sizes 64,512,8192] [--rebuild-sizes 64,512,8192] [--sizes-per-node 8] [--skip-start]
 
 The real control plane (``build()``, a SQLite journal in a temporary directory) with
 ``--nodes`` node agent sessions of ``--ranks-per-node`` slots each, one job over every slot.
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import tempfile
 import threading
@@ -200,7 +201,10 @@ def start(nodes: int, per_node: int, commit_latency_ms: float = 0.0, phases: tup
 
 
 def launch_bytes(world: int, per_node: int = 8) -> dict:
-    """The LaunchRanks the allocator sends for one job of ``world`` ranks on world/per_node nodes."""
+    """The LaunchRanks the allocator sends for one job of ``world`` ranks on world/per_node nodes,
+    the seconds from the allocation's call to its return (every launch handed to the agents'
+    sessions: ``launch_s``) and this process's peak RSS after it (``peak_rss_mb``: the whole
+    process's, so measure one size per run)."""
     from services.contract import control_pb2, engine_pb2
     from services.control.resource_allocator import ResourceAllocator
     from services.jobspec import parse_job_spec, spec_to_json
@@ -217,11 +221,16 @@ def launch_bytes(world: int, per_node: int = 8) -> dict:
         allocator.on_worker_registration(registration(f"node-{i:04d}", per_node))
     spec = parse_job_spec(spec_yaml(dp=world))
     init = engine_pb2.InitJob(job_id="j", spec_json=spec_to_json(spec))
+    t0 = time.perf_counter()
     allocator.allocate_resources(control_pb2.AllocateResources(job_id="j", world_size=world, init=init))
+    launch_s = time.perf_counter() - t0
     sizes = [m.ByteSize() for m in sent]
     init_bytes = init.ByteSize()
     return {
         "world": world,
+        "per_node": per_node,
+        "launch_s": round(launch_s, 3),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "agents": len(sent),
         "total_bytes": sum(sizes),
         "largest_bytes": max(sizes),
@@ -280,6 +289,7 @@ def main() -> None:
     ap.add_argument("--phases", default="start", help="start, then pause and/or finish the same job")
     ap.add_argument("--launch-sizes", default="64,512,8192", help="world sizes whose LaunchRanks are measured")
     ap.add_argument("--rebuild-sizes", default="", help="world sizes whose rebuild in place is measured")
+    ap.add_argument("--sizes-per-node", type=int, default=8, help="ranks per node of --launch-sizes, --rebuild-sizes")
     ap.add_argument("--skip-start", action="store_true", help="measure the message sizes only")
     ap.add_argument("--json", help="write the figures here too")
     args = ap.parse_args()
@@ -293,10 +303,10 @@ def main() -> None:
         phases = tuple(p for p in args.phases.split(",") if p)
         out["start"] = start(args.nodes, args.ranks_per_node, args.commit_latency_ms, phases)
         print(json.dumps(out["start"]), flush=True)
-    out["launch"] = [launch_bytes(int(w)) for w in args.launch_sizes.split(",") if w]
+    out["launch"] = [launch_bytes(int(w), args.sizes_per_node) for w in args.launch_sizes.split(",") if w]
     for row in out["launch"]:
         print(json.dumps(row), flush=True)
-    out["rebuild"] = [rebuild_bytes(int(w)) for w in args.rebuild_sizes.split(",") if w]
+    out["rebuild"] = [rebuild_bytes(int(w), args.sizes_per_node) for w in args.rebuild_sizes.split(",") if w]
     for row in out["rebuild"]:
         print(json.dumps(row), flush=True)
     if args.json:

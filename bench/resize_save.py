@@ -4,7 +4,7 @@ paused, so that the resize that follows never drops it with the replaced group.
 
     .venv/bin/python bench/resize_save.py [--rounds 2] [--every 1 0] [--label new]
 
-The demo job (examples/jobs/demo.yaml: 0.9 M parameters, dp 2, ~11 MB a checkpoint) on a
+The demo job (examples/jobs/demo.yaml: 0.8 M parameters, dp 2, ~11 MB a checkpoint) on a
 real stack of two workers, once per ``--every`` (``checkpoint.every_steps``: 1, every
 boundary a save, so every scale pauses with one in flight; 0, none). Each round scales
 dp 2 -> 1 and back (`surgectl scale`), a few steps apart. Per scale: control's own figure

@@ -51,7 +51,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-HOME = REPO / ".surge" / "bench-scale"
+from bench.common import surge_root  # noqa: E402  (after the path above)
+
+HOME = surge_root() / "bench-scale"  # under the operator's SURGE_HOME (default: the clone's .surge)
 RESULTS = REPO / "bench" / "results"
 SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
 DATASET = "scale@v1"

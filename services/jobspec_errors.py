@@ -14,6 +14,10 @@ import typing
 
 from pydantic import BaseModel, ValidationError
 
+# Top-level keys people write into a spec that are options of the command that submits it
+# (a job's queue priority is the submitter's call, not the job's: the same spec runs at any).
+COMMAND_OPTIONS = {("priority",): "give it to `surgectl submit --priority N`"}
+
 
 def spec_error_text(e: ValidationError, source: str, root: type[BaseModel]) -> str:
     """One pydantic failure of a whole spec (of model ``root``) as one line naming ``source``
@@ -36,6 +40,8 @@ def field_error(err: dict, root: type[BaseModel] | None = None) -> str:
     the nearest key of its section (``root``: the spec's model) when one is close."""
     path = ".".join(str(p) for p in err["loc"]) or "(top level)"
     if err["type"] == "extra_forbidden":
+        if tuple(err["loc"]) in COMMAND_OPTIONS:  # a submit's option written into the spec
+            return f"{path}: unknown key ({path} is not part of a spec: {COMMAND_OPTIONS[tuple(err['loc'])]})"
         near = nearest_key(root, err["loc"]) if root is not None else None
         return f"{path}: unknown key" + (f" (did you mean {near}?)" if near else "")
     msg = err["msg"].removeprefix("Value error, ")

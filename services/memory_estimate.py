@@ -54,8 +54,15 @@ import math
 from dataclasses import dataclass
 
 from services.common.sizes import human_bytes
-from services.engine.sharding_plan import stage_layers, tp_styles
-from services.jobspec import JobSpec, check_parallel, frozen_parameters, mlp_hidden_width, model_parameters
+from services.engine.sharding_plan import block_tp_styles, stage_layer_counts, stage_of_layer
+from services.jobspec import (
+    JobSpec,
+    block_parameter_shapes,
+    check_parallel,
+    frozen_parameters,
+    mlp_hidden_width,
+    model_parameters,
+)
 
 FLOAT32 = 4
 HALF = 2  # bf16 / fp16
@@ -120,77 +127,96 @@ class MemoryEstimate:
         return out
 
 
-def _owner_stage(name: str, stage_of_layer: dict[int, int], last: int) -> int:
-    if name.startswith("blocks."):
-        return stage_of_layer[int(name.split(".")[1])]
-    return 0 if name == "tok_emb.weight" else last
-
-
 def estimate_memory(spec: JobSpec) -> MemoryEstimate:
     """Bytes one rank of ``spec`` holds at its peak (the module docstring says what is
-    counted); for pp > 1, the stage whose rank needs the most."""
+    counted); for pp > 1, the stage whose rank needs the most.
+
+    O(pp) in the model's depth: every block is alike, so a stage's blocks are one block's
+    tensors times their count (a spec's ``n_layers`` may be 2^31 - 1: listing its parameters
+    ran `submit --dry-run` out of memory, and control's allocator asks this for every job it
+    places). Only ``model.freeze`` is matched name by name, as the spec's validation does.
+    """
     m, p = spec.model, spec.parallel
     # Not the whole plan (sharding_plan.plan): its mesh lists every rank, and control's
     # allocator asks this for every queued job it tries (dp 10,000,000: 37.8 s and 2.8 GB on
-    # control, under the allocator's lock). A rank's memory depends on the degrees only.
+    # control). A rank's memory depends on the degrees only.
     check_parallel(m, spec.world_size, p)  # the ValueError plan() raises, naming the field
-    layers_of = stage_layers(m.n_layers, p.pp)
-    stages, last = len(layers_of), len(layers_of) - 1
-    stage_of_layer = {layer: s for s, layers in enumerate(layers_of) for layer in layers}
+    counts = stage_layer_counts(m.n_layers, p.pp)
+    stages, last = len(counts), len(counts) - 1
+    fsdp = p.dp > 1 and p.data_parallel == "fsdp2"  # (dp 1: "none", as the plan says)
+    ddp = p.dp > 1 and p.data_parallel == "ddp"
+    shard = (lambda n: math.ceil(n / p.dp)) if fsdp else (lambda n: n)
     # A column-parallel linear's bias is split with its output features; a row-parallel
     # one has none here (proj and down are bias-free).
-    tp_split = {f"{fqn}.{kind}" for fqn, _ in (tp_styles(m) if p.tp > 1 else ()) for kind in ("weight", "bias")}
-    owners = {owner: numel for _, owner, numel in model_parameters(m)}
-    frozen = frozen_parameters(m.freeze, ((n, o) for n, o, _ in model_parameters(m))) if m.freeze else set()
-    data_parallel = "none" if p.dp == 1 else p.data_parallel  # as the plan says
-    fsdp = data_parallel == "fsdp2"
-    ddp = data_parallel == "ddp"
+    split = {f"{fqn}.{kind}" for fqn, _ in (block_tp_styles(m) if p.tp > 1 else ()) for kind in ("weight", "bias")}
+    block = {name: math.prod(shape) // (p.tp if name in split else 1) for name, shape in block_parameter_shapes(m)}
+    outer = {o: n for name, o, n in _outer_parameters(m) if name == o}  # embedding, final norm, untied LM head
+    frozen = _frozen_by_stage(spec, block, outer, shard) if m.freeze else {}
     autocast = spec.precision.dtype in ("bf16", "fp16")
     a = HALF if autocast else FLOAT32
+    total_parameters = sum(outer.values()) + m.n_layers * sum(math.prod(s) for _, s in block_parameter_shapes(m))
 
     best: MemoryEstimate | None = None
     for s in range(stages):
-        local: dict[str, int] = {}  # tp-local, unsharded by dp
-        for name, numel in owners.items():
-            if _owner_stage(name, stage_of_layer, last) == s:
-                local[name] = numel // p.tp if name in tp_split else numel
-        shard = (lambda n: math.ceil(n / p.dp)) if fsdp else (lambda n: n)
-        held = sum(shard(n) for n in local.values())
-        trainable = sum(shard(n) for name, n in local.items() if name not in frozen)
+        layers = counts[s]
+        local = {o: n for o, n in outer.items() if s == (0 if o == "tok_emb.weight" else last)}
+        held = sum(shard(n) for n in local.values()) + layers * sum(shard(n) for n in block.values())
+        frozen_held, frozen_whole = frozen.get(s, (0, 0))
+        trainable = held - frozen_held
         items = [
             MemoryItem("parameters", FLOAT32 * held, "float32" + (f", sharded over dp {p.dp} (fsdp2)" if fsdp else "")),
             MemoryItem("gradients", FLOAT32 * trainable, "float32, trainable parameters only"),
             MemoryItem("AdamW moments", 2 * FLOAT32 * trainable, "exp_avg and exp_avg_sq, float32"),
         ]
         if ddp:
-            unsharded = sum(n for name, n in local.items() if name not in frozen)
+            unsharded = sum(local.values()) + layers * sum(block.values()) - frozen_whole
             items.append(MemoryItem("DDP buckets", FLOAT32 * unsharded, "a flat copy of the gradients"))
         if fsdp:
-            blocks: dict[str, int] = {}
-            for name, n in local.items():
-                if name.startswith("blocks."):
-                    key = ".".join(name.split(".")[:2])
-                    blocks[key] = blocks.get(key, 0) + n
-            root = sum(n for name, n in local.items() if not name.startswith("blocks."))
-            block = max(blocks.values(), default=0)
+            one_block = sum(block.values()) if layers else 0
             items.append(
                 MemoryItem(
                     "FSDP2 gathered",
-                    FLOAT32 * (root + 3 * block),
+                    FLOAT32 * (sum(local.values()) + 3 * one_block),
                     "unsharded: the root's parameters, two blocks' parameters, one block's gradients",
                 )
             )
         if autocast:  # the blocks' linears, and the LM head (the embedding's lookup is no matmul)
-            matmul = sum(n for name, n in local.items() if name.split(".")[2:3] in (["attn"], ["mlp"]))
+            matmul = layers * sum(n for name, n in block.items() if name.startswith(("attn.", "mlp.")))
             if s == last:
-                matmul += local.get("lm_head.weight", owners["tok_emb.weight"] if m.tie_embeddings else 0)
+                matmul += local.get("lm_head.weight", outer["tok_emb.weight"] if m.tie_embeddings else 0)
             items.append(MemoryItem("autocast casts", HALF * matmul, f"{spec.precision.dtype} copies of the weights"))
-        items += _activations(spec, s, stages, p.microbatches or p.pp, p.pipeline_schedule, len(layers_of[s]), a)
-        est = MemoryEstimate(s, stages, held, sum(owners.values()), tuple(items))
+        items += _activations(spec, s, stages, p.microbatches or p.pp, p.pipeline_schedule, layers, a)
+        est = MemoryEstimate(s, stages, held, total_parameters, tuple(items))
         if best is None or est.total > best.total:
             best = est
     assert best is not None
     return best
+
+
+def _outer_parameters(m) -> list[tuple[str, str, int]]:
+    """The parameters outside the blocks, as :func:`model_parameters` lists them (the
+    embedding first, then the final norm and the LM head)."""
+    D, V = m.d_model, m.vocab_size
+    head_owner = "tok_emb.weight" if m.tie_embeddings else "lm_head.weight"
+    return [("tok_emb.weight", "tok_emb.weight", V * D), ("norm.weight", "norm.weight", D),
+            ("lm_head.weight", head_owner, V * D)]  # fmt: skip
+
+
+def _frozen_by_stage(spec: JobSpec, block: dict[str, int], outer: dict[str, int], shard) -> dict[int, tuple[int, int]]:
+    """Stage -> (frozen elements it holds, the same unsharded by dp), ``model.freeze``'s
+    patterns matched against every parameter's name (the spec's validation does the same)."""
+    m, p = spec.model, spec.parallel
+    owners = frozen_parameters(m.freeze, ((n, o) for n, o, _ in model_parameters(m)))
+    out: dict[int, tuple[int, int]] = {}
+    for owner in owners:
+        if owner.startswith("blocks."):
+            _, layer, name = owner.split(".", 2)
+            stage, n = stage_of_layer(m.n_layers, p.pp, int(layer)), block[name]
+        else:
+            stage, n = (0 if owner == "tok_emb.weight" else p.pp - 1), outer[owner]  # (as estimate_memory's local)
+        held, whole = out.get(stage, (0, 0))
+        out[stage] = (held + shard(n), whole + n)
+    return out
 
 
 def _activations(

@@ -27,6 +27,10 @@ def test_the_demo_spec_is_valid_and_gives_the_reference_global_batch():
             "job.yaml: fault_policy.actoins: unknown key (did you mean fault_policy.actions?)",
         ),
         ("name: x\nsteps: 5\ndata: {dataset: a@v1}\nzzzqqq: 1\n", "job.yaml: zzzqqq: unknown key"),  # (none near)
+        (  # a submit's option written into the spec: where it goes instead
+            "name: x\nsteps: 5\ndata: {dataset: a@v1}\npriority: 5\n",
+            "job.yaml: priority: unknown key (priority is not part of a spec: give it to `surgectl submit --priority N`)",
+        ),
         (
             "name: x\nsteps: 5\ndata: {dataset: a@v1, seq_len: -4}\n",
             "job.yaml: data.seq_len: Input should be greater than 0, got -4",

@@ -71,7 +71,10 @@ def rpc_error(error: grpc.RpcError, service: str, addr: str) -> CliError:
     if mapped.unreachable and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
         procs = stack.read_stack()
         if procs:
-            return CliError(unreachable_hint(service, addr, list(procs), stack.down_services(procs)), unreachable=True)
+            hint = unreachable_hint(
+                service, addr, list(procs), stack.down_services(procs), stopped=stack.stopped_pid(service, procs)
+            )
+            return CliError(hint, unreachable=True)
     return mapped
 
 
@@ -85,12 +88,19 @@ def start_again_hint(service: str) -> str:
     return f"`surgectl restart {service}` starts {service} again on its port"
 
 
-def unreachable_hint(service: str, addr: str, services: list[str], down: list[str]) -> str:
+def unreachable_hint(service: str, addr: str, services: list[str], down: list[str], stopped: int = 0) -> str:
     """What to do about ``service`` not answering at ``addr``, given the recorded stack's
     ``services`` and those of them whose process is gone (``down``): its process still
     runs (hung, or still starting): `surgectl restart SERVICE`; gone: `surgectl up`, which
     starts again what is down and leaves the rest running (was: always `restart SERVICE`,
-    also after a kill of every service, which left the others down)."""
+    also after a kill of every service, which left the others down). ``stopped``: the pid of
+    ``service``'s process, stopped (``stack.stopped_pid``): `kill -CONT PID` resumes it."""
+    if stopped and service not in down:
+        return (
+            f"{service} unreachable at {addr}: its process {stopped} is stopped (state T in /proc/{stopped}/status: "
+            f"SIGSTOP or a debugger); `kill -CONT {stopped}` resumes it where it was "
+            f"(or `surgectl restart {service}` starts it again on the same port)"
+        )
     if service not in down:
         keep = " (running jobs keep running)" if service == "control" else ""
         return (
@@ -170,7 +180,10 @@ def team_view(timeout: float = 10.0) -> tuple[str, list] | None:
 STORE_OUTAGE_EFFECT = "checkpoints are not saved and metrics wait in the ranks' buffers meanwhile"
 
 
-def store_outage(timeout_s: float = 2.0) -> str:
+STORE_PROBE_SECONDS = 2.0  # (status: the store's health check, before anything is read from it)
+
+
+def store_outage(timeout_s: float = STORE_PROBE_SECONDS) -> str:
     """One line when the store does not answer its health check (within ``timeout_s``),
     naming the command that brings it back as the local stack is (``unreachable_hint``); ""
     when it answers or no store address is known. `surgectl status` shows it: control and
@@ -192,7 +205,24 @@ def store_outage(timeout_s: float = 2.0) -> str:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     return ""  # it answers (a refusal of the check is no outage)
     if "store" in procs and not os.environ.get("SURGE_STORE_ADDRESS"):
-        hint = unreachable_hint("store", addr, list(procs), down)
+        hint = unreachable_hint("store", addr, list(procs), down, stopped=stack.stopped_pid("store", procs))
     else:
         hint = f"store unreachable at {addr}"
     return f"{hint}; {STORE_OUTAGE_EFFECT}"
+
+
+def store_answers(what: str) -> None:
+    """Before a command reads from the store: its health check (``store_outage``, status's one
+    check). A store that does not answer within ``STORE_PROBE_SECONDS`` (SIGSTOPped, hung, down)
+    is not asked: the command ends in about that time, in one line saying so (was: `surgectl
+    checkpoints` waited 19.5 s for gRPC's handshake timeout against a stopped store).
+
+    Raises:
+        CliError: the store did not answer its health check (``unreachable``), exit 1.
+    """
+    outage = store_outage()
+    if outage:
+        raise CliError(
+            f"{what}: the store did not answer its health check in {STORE_PROBE_SECONDS:g} s: {outage}",
+            unreachable=True,
+        )

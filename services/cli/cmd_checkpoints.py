@@ -10,7 +10,7 @@ import typer
 from services.cli import clients, render
 from services.cli.app import OutputOpt, _say, _show, app
 from services.cli.errors import CliError
-from services.cli.jobs import resolve_job
+from services.cli.jobs import resolve_versions_job
 from services.cli.numbers import float_option
 from services.cli.path_options import nonempty_path
 from services.contract import control_pb2, store_pb2
@@ -34,7 +34,8 @@ def checkpoints(
 
     Example: surgectl checkpoints demo-3f2a1c --verify
     """
-    job = resolve_job(job) if job else None
+    clients.store_answers("checkpoints")  # (a stopped store: said in 2 s, never a hang)
+    job = resolve_versions_job(job) if job else None  # (a deleted job's versions stay: its id works)
     if verify:
         _verify_checkpoints(job or "", output, timeout)
         return
@@ -172,7 +173,10 @@ def export(
     version: str = typer.Argument(..., help="checkpoint version '<job>:<n>', '<job>:latest' or 'latest'"),
     fmt: str = typer.Option("hf", "--format", help="hf (safetensors + config.json) | torch (a state_dict)"),
     out: Path = typer.Option(
-        ..., "--out", help="directory to write (absent or empty; its parent must exist)", parser=nonempty_path
+        ...,
+        "--out",
+        help="directory to write (absent or empty; missing parent folders are created)",
+        parser=nonempty_path,
     ),
     force: bool = typer.Option(
         False, "--force", help="replace an earlier export in --out (one holding surge_spec.json)"

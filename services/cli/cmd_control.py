@@ -10,7 +10,7 @@ import typer
 from services.cli import clients, render, stack
 from services.cli.app import NoCheckpointOpt, _again, _say, app
 from services.cli.errors import CliError
-from services.cli.jobs import resolve_job
+from services.cli.jobs import resolve_job, resolve_versions_job
 from services.cli.numbers import WEEK_S, float_option
 from services.contract import control_pb2
 from services.jobspec import STEP_FAULT_CLASSES
@@ -143,9 +143,19 @@ def rollback(
         job_id=job, from_version=_own_version(job, version, "--version"), rollback_in_place=True
     )
     s = clients.call("control", lambda st: st.ResumeJob(req, timeout=90))
-    render.console.print(
-        f"{job}: rolling back in place; now {render.state_text(s)}", markup=False, highlight=False, soft_wrap=True
-    )
+    if s.rollback_in_flight:  # (control folded it into the same rollback in flight: nothing new was asked)
+        asked = f" (asked at {_local_time(s.rollback_asked_unix)})" if s.rollback_asked_unix else ""
+        line = f"{job}: already rolling back to {s.rollback_in_flight}{asked}; nothing new asked"
+    else:
+        line = f"{job}: rolling back in place; now {render.state_text(s)}"
+    render.console.print(line, markup=False, highlight=False, soft_wrap=True)
+
+
+def _local_time(unix: float) -> str:
+    """``unix`` as this machine's local time, with its date when that is not today."""
+    when, now = time.localtime(unix), time.localtime()
+    same_day = when[:3] == now[:3]
+    return time.strftime("%H:%M:%S" if same_day else "%Y-%m-%d %H:%M:%S", when)
 
 
 def _own_version(job: str, version: str | None, flag: str) -> str:
@@ -165,6 +175,8 @@ def _own_version(job: str, version: str | None, flag: str) -> str:
         if resolve_job(ref) != job:
             raise CliError(f"{flag} {version}: names another job's versions; {job} loads one of its own", code=2)
         return ""
+    if sep and ref and n.isdigit() and ref != job:  # (a job's name works as its id does)
+        return f"{resolve_versions_job(ref, unknown_as_is=True)}:{n}"
     return version
 
 
@@ -192,8 +204,9 @@ def scale(
     the new size; new ranks take the model and optimizer from a live peer's memory. The
     global batch (micro_batch_size x grad_accum x dp rows) is kept, so the job goes on at
     the same global batches. Refused with one line where the plan cannot take it (tp or
-    pp > 1, FSDP2, a global batch that does not split over the new size). Waits until it is
-    done; exit 1 if it was not (the new ranks did not fit: the job goes on at its size).
+    pp > 1, FSDP2, a global batch that does not split over the new size), and, before any rank
+    pauses, where the new ranks do not fit the free slots now (exit 1). Waits until it is
+    done; exit 1 if it was not (a slot was taken meanwhile: the job goes on at its size).
 
     Example: surgectl scale demo-3f2a1c --dp 3
     """

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shlex
+from collections.abc import Callable
 
 import typer
 import yaml
@@ -23,7 +24,9 @@ from services.jobspec.evaluation import evaluation_job
 def evaluate(
     job: str,
     command: str = typer.Option(..., "--command", help="the evaluation command (split as a shell would)"),
-    version: str | None = typer.Option(None, "--version", help="the checkpoint version (default: the job's latest)"),
+    version: str | None = typer.Option(
+        None, "--version", help="the job's checkpoint version: N, latest, or JOB:N (default: the job's latest)"
+    ),
     hf: bool = typer.Option(True, "--hf/--no-hf", help="export the version in Hugging Face form (SURGE_EVAL_HF_DIR)"),
     timeout: float = float_option(3600.0, "--timeout", min=1.0, help="seconds the command may run"),
     wait: bool = typer.Option(False, "--wait", help="follow the evaluation job to its end and print its scores"),
@@ -52,7 +55,7 @@ def evaluate(
         "control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job_id, with_spec=True), timeout=10)
     )
     source = spec_from_json(status.spec_json)
-    pinned = committed(version or f"{job_id}:latest", "--version").version
+    pinned = evaluated_version(job_id, version, lambda ref: committed(ref, "--version").version)
     try:
         raw = evaluation_job(source, job_id, pinned, argv, hf, timeout)
         text = yaml.safe_dump(raw, sort_keys=False, allow_unicode=True)
@@ -86,6 +89,27 @@ def evaluate(
     for line in mine:
         for name, value in sorted(line.scores.items()):
             _say(f"  {name}: {value:g}")
+
+
+def evaluated_version(job_id: str, version: str | None, pin: Callable[[str], str]) -> str:
+    """The committed version (``<job_id>:<n>``) `evaluate JOB --version V` scores: V is one of
+    JOB's (``N``, ``latest``, or ``JOB:N`` with JOB by id or name; left out: the latest); ``pin``
+    resolves a ``<job>:<n|latest>`` to the committed version it names.
+
+    Raises:
+        CliError (exit 2): V names another job's version; its scores would be filed under
+            JOB (fresh37b: they were, beside JOB's own, at the other run's step).
+    """
+    ref = version or "latest"
+    pinned = pin(ref if ":" in ref else f"{job_id}:{ref}")
+    owner = pinned.rpartition(":")[0]
+    if owner != job_id:
+        raise CliError(
+            f"--version {version}: a version of job {owner}, not of {job_id} "
+            f"(`surgectl evaluate {owner} --version {pinned}` scores it as that job's)",
+            code=2,
+        )
+    return pinned
 
 
 def _absolute_if_here(arg: str) -> str:

@@ -14,6 +14,7 @@ from services.cli.event_types import EVENT_TYPES, event_types
 from services.cli.jobs import dry_run_job, follow_job, resolve_job, submit_job
 from services.cli.numbers import WEEK_S, float_option
 from services.cli.path_options import nonempty_path
+from services.common import save_failing
 from services.contract import Module, control_pb2
 
 
@@ -104,7 +105,7 @@ def status(
             return
         render.console.print(_status_tables(jobs, cordoned, journal, store))
         if job:
-            _scores_lines(job)
+            _scores_lines(job, store_answers=not store)
         else:
             _dashboard_line()
         return
@@ -142,20 +143,41 @@ def _watched_view(job: str | None, interval: float):
         return Text(f"{e} -- tried again every {interval:g} s (Ctrl-C to stop)")
 
 
-def _scores_lines(job: str) -> None:
+def _scores_lines(job: str, store_answers: bool = True) -> None:
     """The job's evaluation scores (`surgectl evaluate`), each name's latest with its version,
     read through the store (its access rules hold: a refusal shows none; the local records
-    only when the store is down)."""
-    from services.cli.job_records import job_scores
-    from services.cli.scores import latest_scores
+    only when the store is down). A store that does not answer (``store_answers`` False: its
+    health check failed, the status's first line says so) is not asked: status answers in its
+    usual time and says which figures it could not read, and why (was: 25 s against a
+    SIGSTOPped store, then nothing said)."""
+    from services.cli.job_records import STATUS_READ_SECONDS, records_of_status
+    from services.cli.scores import latest_scores, scores_records
 
     try:
-        latest = latest_scores(job_scores(job) or [])
+        records = records_of_status(job, "scores", store_answers)
     except CliError:  # (refused by the store: the status control gave is still shown)
         return
-    if latest:
+    if records.text is None and records.where != "the store":
+        why = (
+            f"no answer to its health check in {clients.STORE_PROBE_SECONDS:g} s (deadline)"
+            if not store_answers
+            else f"no answer in {STATUS_READ_SECONDS:g} s (deadline)"
+        )
         render.console.print(
-            "evaluation scores (its evaluation jobs: `surgectl evaluate`, eval.hooks):", markup=False, highlight=False
+            f"evaluation scores: not read: the store gave {why}, and this machine has no records of {job} "
+            f"({records.where})",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
+        return
+    latest = latest_scores(scores_records(records.text or ""))
+    if latest:
+        local = "" if records.where == "the store" else f"; read from {records.where}: the store does not answer"
+        render.console.print(
+            f"evaluation scores (its evaluation jobs: `surgectl evaluate`, eval.hooks{local}):",
+            markup=False,
+            highlight=False,
         )
         for name, (value, version) in sorted(latest.items()):
             render.console.print(f"  {name}: {value:g}  ({version})", markup=False, highlight=False, soft_wrap=True)
@@ -194,6 +216,10 @@ def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = "
     parts = [render.jobs_table(jobs)]
     if journal:  # (first: every decision is refused while it lasts; the jobs run on)
         parts.insert(0, Text(f"{journal}; decisions are refused, the jobs run on", style="bold red"))
+    for j in reversed(jobs):  # (was: nothing said while every save was refused, the disk full: F7)
+        if j.save_failing.failed and j.state != control_pb2.JobState.TERMINATED:
+            newest = f"{j.checkpoint_version} (step {j.checkpoint_step})" if j.checkpoint_version else ""
+            parts.insert(0, Text(save_failing.status_line(j.job_id, j.save_failing, newest), style="bold red"))
     if store:  # (was: nothing said; control's and the data service's outages are named)
         parts.insert(0, Text(store, style="bold red"))
     if any(j.slow_ranks for j in jobs):
@@ -260,12 +286,15 @@ def events(
         max=1_000_000,
         help="only the last N events (0: none; with --follow, only new ones)",
     ),
+    timestamps: bool = typer.Option(False, "--timestamps", "-T", help="begin each line with the event's time (UTC)"),
 ) -> None:
     """Print a job's event log (decisions, state changes, faults, checkpoints); -o json
     prints JSON Lines. --type keeps the events of those types, --tail the last N of them
     (with --follow: the last N, then each new one): control selects them, so a long job's
     whole history is not sent. --follow rides through a control restart: it reconnects and
     goes on from the last event printed (each event once).
+
+    --timestamps (-T) begins each line with the event's time, as `kubectl logs --timestamps`.
 
     Example: surgectl events demo-3f2a1c --type fault,decision --tail 20 --follow
     """
@@ -281,7 +310,10 @@ def events(
             print(jsonout.dumps_line(ev), flush=True)  # JSON Lines: one event per line
         else:
             src = Module.Name(ev.source) if ev.source else "-"
-            render.console.print(f"{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False)
+            when = f"{_utc(ev.unix_time)} " if timestamps else ""
+            render.console.print(
+                f"{when}{ev.seq:>5} {ev.type:>10} {src:<22} {ev.message}", markup=False, highlight=False
+            )
 
     next_seq = 0
     if tail is not None or not follow:  # the history (its last N of the types asked), then what follows
@@ -298,6 +330,12 @@ def events(
     if follow:
         for ev in following.job_events(job, reconnect_seconds, from_seq=next_seq, types=kinds):
             show(ev)
+
+
+def _utc(unix_time: float) -> str:
+    """An event's time as ISO 8601 UTC to the millisecond (``2026-12-06T14:10:20.123Z``)."""
+    millis = int(unix_time * 1000) % 1000
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(unix_time)) + f".{millis:03d}Z"
 
 
 @app.command()
@@ -413,6 +451,14 @@ def plot(
     else:
         records = chart_records(job, rank)
         job = records.job
+        if records.why:  # (a stopped store was not asked: said before what is drawn instead)
+            render.console.print(
+                f"the store did not answer its health check in {clients.STORE_PROBE_SECONDS:g} s ({records.why}); "
+                + (f"read {records.where} instead" if records.text else f"no records of {job} in {records.where}"),
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
         if records.text:
             h = observe.history_from_text(records.text, records.where, rank)
             where = records.where
@@ -435,9 +481,11 @@ def plot(
     except OSError as e:
         field = "--out" if out is not None else "SURGE_HOME"
         raise CliError(f"{field}: cannot write {target}: {e.strerror or e}", code=2) from None
-    render.console.print(
-        f"wrote {png} ({len(h.steps)} steps from {where})", markup=False, highlight=False, soft_wrap=True
-    )
+    first, last = h.steps[0], h.steps[-1]
+    # A long job's chart is its points, not every step (each bucket's first, last, lowest and
+    # highest kept): "1212 steps" of a 3,000-step job read as lost records.
+    drawn = f"{len(h.steps)} steps" if len(h.steps) >= last - first + 1 else f"{len(h.steps)} of steps {first}-{last}"
+    render.console.print(f"wrote {png} ({drawn} from {where})", markup=False, highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import typer
 
-from services.cli import clients, dashboard, render, stack, stack_access
+from services.cli import clients, dashboard, render, stack, stack_access, up_lock
 from services.cli.app import _say, app
 from services.cli.errors import CliError
 from services.cli.numbers import WEEK_S, float_option
+from services.common import paths
 from services.common.access import TOKENS_FILE_ENV
 
 
@@ -46,6 +47,14 @@ def up(
 
     if bad := env_error():  # every service would refuse to start with it
         raise CliError(bad, code=2)
+    stack.check_writable(paths.run_dir() / "logs")  # (one line before the lock file is made there)
+    with up_lock.held():  # a second `up` meanwhile says this one runs, exit 1, and touches nothing
+        _up(workers, resume_seconds, with_dashboard, tokens, no_tokens)
+
+
+def _up(
+    workers: int | None, resume_seconds: float, with_dashboard: bool | None, tokens: str | None, no_tokens: bool
+) -> None:
     try:
         # Ctrl-C: what started is stopped, exit 130
         procs = stack.up(workers or 2, exit_on_interrupt=True, tokens=tokens, open_stack=no_tokens)
@@ -153,6 +162,7 @@ def down(
     Example: surgectl down
     """
     drained, parked = False, []
+    up_lock.check_none("this `down`")  # (it would stop services that `up` goes on starting and waiting for)
     if stack.read_stack():
         _require_whole_view()
         with stack.exit_on_interrupt(DOWN_INTERRUPTED):
@@ -164,7 +174,6 @@ def down(
     render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
     if parked:  # (the ranks are gone: no commit can land after this)
         from services.cli import drain
-        from services.common import paths
 
         for line in drain.resume_points(parked, paths.store_root()):
             _say(line)
@@ -321,6 +330,7 @@ def restart(
 
     Example: surgectl restart control
     """
+    up_lock.check_none("this `restart`")  # (it would start a second copy of a service `up` starts)
     _require_whole_view("restart")
     with stack.exit_on_interrupt(f"interrupted: {service} may be stopped; `surgectl up` starts again what is down"):
         old, new = stack.restart(service, grace_seconds)

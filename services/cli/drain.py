@@ -23,6 +23,7 @@ import grpc
 
 from services.cli import clients
 from services.cli.errors import CliError, refusal_of
+from services.common import save_failing
 from services.contract import control_pb2
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
@@ -50,6 +51,7 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
     asked: set[str] = set()
     drained: list[str] = []
     unsafe: list[str] = []
+    untils: list[str] = []  # (per unsafe job: when `down` again can save it)
     while pending:
         for job_id in list(pending):
             status = stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10)
@@ -75,12 +77,16 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
                 and not status.drained
                 and status.checkpoint_step < status.step
             ):
-                # Its checkpoint of the pause could not be saved (e.g. the store is away): the
-                # stack must not take its ranks, or the steps since that checkpoint are lost.
+                # Its checkpoint of the pause could not be saved (the store away, or answering
+                # and refusing the write: control's typed save_failing says which): the stack
+                # must not take its ranks, or the steps since that checkpoint are lost.
+                failing = status.save_failing
+                why = f"; its save failed: {save_failing.why(failing)}" if failing.failed else ""
                 unsafe.append(
                     f"{job_id} (paused at step {status.step}, newest checkpoint "
-                    f"{status.checkpoint_version or 'none'} at step {status.checkpoint_step})"
+                    f"{status.checkpoint_version or 'none'} at step {status.checkpoint_step}{why})"
                 )
+                untils.append(save_failing.until(failing) if failing.failed else "once the store answers")
                 pending.pop(job_id)
                 continue
             if status.state == JobState.TERMINATED or (job_id in asked and status.state == JobState.PAUSED):
@@ -102,9 +108,12 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
         if pending:
             time.sleep(POLL_S)
     if unsafe:
+        # (when again: for the state the stack is in; was "once the store answers" for a store
+        # that answered and refused the write, a full disk: fresh SRE's trial, F1)
+        when = " and ".join(dict.fromkeys(untils))
         raise CliError(
             f"not drained: {'; '.join(unsafe)}: its steps since that checkpoint would be lost; the stack "
-            "keeps running (`surgectl down` again once the store answers, or `--force` to lose them)"
+            f"keeps running (`surgectl down` again {when}, or `--force` to lose them)"
         )
     return drained
 

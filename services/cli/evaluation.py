@@ -117,12 +117,37 @@ def read_version(root: Path, version: str, what: str):
     from services.store.checkpoint_manager import CheckpointNotFound, read_committed
 
     stack_access.check_any_latest(version)
+    version = _with_job_id(root, version)
     try:
         info = read_committed(root, version)
     except CheckpointNotFound as e:
         raise CliError(stack_access.not_found_text(e), code=2) from None
     stack_access.check_local_read(info.version.rpartition(":")[0], what)
     return info
+
+
+def _with_job_id(root: Path, version: str) -> str:
+    """``version`` (``JOB:N``, ``JOB:latest``) with its job part, when that is a job's name and
+    no id of the catalog under ``root``, replaced by the id it names as `versions` and
+    `checkpoints` resolve it (services/cli/jobs.py ``resolve_versions_job``: control's answer,
+    else the one catalog id ``<name>-<6 hex>``; several: one line, ambiguous). Unchanged when
+    nothing knows the name (read_committed then names the version it lacks).
+
+    Raises:
+        CliError (exit 2): the name is ambiguous."""
+    from services.cli.jobs import resolve_versions_job
+    from services.store.checkpoint_manager import catalog_job_ids
+
+    job, sep, n = version.rpartition(":")
+    if not sep or not job:
+        return version
+    try:
+        ids = catalog_job_ids(root)
+    except (ValueError, OSError):
+        return version  # (read_committed says what is wrong with the catalog)
+    if job in ids:
+        return version  # (an id: nothing asked)
+    return f"{resolve_versions_job(job, unknown_as_is=True, ids=ids)}:{n}"
 
 
 class VersionRemoved(CliError):

@@ -16,8 +16,10 @@ and its weights are read with every file checked against the manifest as it is r
 Both also hold ``surge_spec.json`` (the job spec the version was written with). Nothing is
 half-done: the files are written into a temporary directory beside ``DIR`` and renamed into
 place; an existing non-empty ``DIR`` is refused unless ``--force`` and it is an earlier export
-(it holds ``surge_spec.json``; then replaced whole). A missing parent folder is refused, not
-created (services/cli/path_options.py).
+(it holds ``surge_spec.json``; then replaced whole). Missing parent folders are created, as
+``save_pretrained`` does (the README's ``--out exports/notes-hf`` in a fresh folder), once the
+version was read, and removed again if the export fails; a path that cannot be created (a file
+in the way) is refused before anything is read.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ from pathlib import Path
 
 from services.cli.errors import CliError
 from services.cli.evaluation import Checkpoint, VersionRemoved, load_model, read_version
-from services.cli.path_options import check_parent
 
 FORMATS = ("hf", "torch")
 LATEST_TRIES = 3  # `JOB:latest` read again when a running job's keep_last removed it meanwhile
@@ -45,7 +46,7 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
 
     Raises:
         CliError: code 2 for usage (an unknown format, a malformed version, no such
-            version, ``out``'s parent folder missing); code 1 for a refusal (``out`` a file or
+            version, a file where ``out``'s folders would be); code 1 for a refusal (``out`` a file or
             not empty without ``force``, or with ``force`` not an earlier export; a version
             not ok or failing its digests, a model with no Hugging Face form), one line
             naming the option, version or file. (An empty ``--out`` is refused by the
@@ -62,7 +63,7 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
     out = Path(os.path.normpath(here / out))  # (lexical: `..` too, a link kept as named)
     if out == here or out in here.parents:  # (replaced, it would leave the shell in a removed folder)
         raise CliError(f"--out: {out} is the current directory or holds it; name another directory", code=2)
-    check_parent(out)  # (a missing parent is refused, not created: as `compare --out`)
+    missing = _missing_parents(out)  # (created once the version was read: as save_pretrained)
     if out.exists() and not out.is_dir():
         raise CliError(f"--out: {out} exists and is not a directory", code=1)
     if out.is_dir() and any(out.iterdir()):
@@ -101,8 +102,10 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
                 raise
     tmp = out.parent / f".{out.name}.export-{secrets.token_hex(4)}"
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
         tmp.mkdir()
     except OSError as e:  # read-only, no permission, /proc: nothing written yet
+        _remove_empty(missing)
         raise CliError(f"--out: cannot write {out}: {e.strerror or e}", code=1) from None
     try:
         notes = _write(tmp, fmt, model, spec, hf_format)
@@ -110,12 +113,37 @@ def export_version(version: str, fmt: str, out: Path, force: bool = False) -> st
         _into_place(tmp, out)
     except OSError as e:  # disk full, permissions changed under us: the temporary is removed
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(missing)
         raise CliError(f"--out: cannot write {out}: {e.strerror or e}", code=1) from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        _remove_empty(missing)
         raise
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     return f"exported {info.version} (step {info.step}) as {fmt} to {out}: {files}" + "".join(f"; {n}" for n in notes)
+
+
+def _missing_parents(out: Path) -> list[Path]:
+    """``out``'s parent folders that do not exist yet, deepest first (the export creates them).
+
+    Raises:
+        CliError (exit 2): the nearest one that exists is not a folder (it cannot be created)."""
+    missing, parent = [], out.parent
+    while not parent.exists() and parent != parent.parent:
+        missing.append(parent)
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CliError(f"--out: {out}: {parent} is not a directory (its folders cannot be created)", code=2)
+    return missing
+
+
+def _remove_empty(created: list[Path]) -> None:
+    """The folders an export that failed created, removed again while empty (deepest first)."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:  # (not empty, or never made: kept)
+            return
 
 
 def _committed(root: Path, version: str):

@@ -11,7 +11,7 @@ import grpc
 
 from services.cli import clients
 from services.cli.errors import CliError
-from services.cli.jobs import resolve_job
+from services.cli.jobs import resolve_job, resolve_versions_job
 from services.common.sizes import size_text
 from services.contract import control_pb2, data_pb2, store_pb2
 from services.jobspec import JobSpec, spec_from_json
@@ -47,6 +47,10 @@ def delete_checkpoint(version: str) -> str:
     job, sep, n = version.rpartition(":")
     if not sep or not job or not n.isdigit():
         raise CliError(f"VERSION: expected '<job>:<n>' (see `surgectl checkpoints`), got {version!r}", code=2)
+    # (a job's name works as its id does; one neither control nor the store's listing knows
+    # is left as written: the in-use check below is control's, the store's answer says the rest)
+    job = resolve_versions_job(job, unknown_as_is=True)
+    version = f"{job}:{n}"
     starters = _jobs_starting_from(version)
     if starters:
         raise CliError(

@@ -26,7 +26,7 @@ import yaml
 from services.cli import clients
 from services.cli.errors import CliError
 from services.cli.tokenizer_check import hf_mismatch, trained_with_mismatch
-from services.contract import control_pb2, data_pb2, store_pb2
+from services.contract import data_pb2, store_pb2
 from services.hf_config import HfFormatError, check_hf_directory
 from services.jobspec import JobSpec, frozen_parameters, model_parameters, read_spec_mapping, spec_from_json
 
@@ -88,22 +88,26 @@ def committed(version: str, source: str) -> store_pb2.CheckpointInfo:
 
 def _job_id_for_name(version: str) -> str:
     """``version`` with its job part, when that is a job's name rather than an id, replaced
-    by the id of the newest job of that name (a live one first): the checkpoints a user means
-    by ``demo:latest`` are the last demo run's. Unchanged when control is not reachable or
-    knows no job of that name (the store then names the version it lacks)."""
+    by the id `versions` and `checkpoints` resolve it to (services/cli/jobs.py
+    ``resolve_versions_job``: the newest live job of the name, else its one ended or deleted
+    job): the checkpoints a user means by ``demo:latest`` are the running demo's. Unchanged
+    when control is not reachable or nothing knows the name (the store then names the
+    version it lacks).
+
+    Raises:
+        CliError (exit 2): the name is ambiguous (several ended jobs share it), the same one
+            line as `versions`."""
+    from services.cli.jobs import resolve_versions_job  # (jobs imports this module)
+
     job, sep, n = version.rpartition(":")
     if not sep or not job:
         return version
     try:
-        jobs = list(clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10)).jobs)
-    except CliError:
-        return version
-    if any(j.job_id == job for j in jobs):
-        return version
-    named = sorted(
-        (j for j in jobs if j.name == job), key=lambda j: (j.state != control_pb2.TERMINATED, j.created_unix)
-    )
-    return f"{named[-1].job_id}:{n}" if named else version
+        return f"{resolve_versions_job(job, unknown_as_is=True)}:{n}"
+    except CliError as e:
+        if e.unreachable:
+            return version
+        raise
 
 
 def pin_latest(spec: JobSpec, text: str, source: str) -> str:

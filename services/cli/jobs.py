@@ -3,10 +3,11 @@ dataset), follow it to its end, and sample text from one of its checkpoints."""
 
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 import uuid
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import grpc
@@ -16,7 +17,7 @@ from services.cli.errors import CliError
 from services.cli.evaluation import check_held_out
 from services.cli.init_from import check_init_from, pin_latest
 from services.common.job_refs import AmbiguousJob, UnknownJob, pick_job
-from services.contract import control_pb2, data_pb2
+from services.contract import control_pb2, data_pb2, store_pb2
 from services.jobspec import JobSpec
 
 # A submit whose reply was lost (control restarting, a deadline) is sent again with its
@@ -108,13 +109,91 @@ def resolve_job(ref: str, stub: object | None = None) -> str:
         return _resolve_job(ref, stub)
 
 
+def resolve_versions_job(ref: str, unknown_as_is: bool = False, ids: Collection[str] | None = None) -> str:
+    """The job id whose checkpoint versions ``ref`` (a job id or name) names: control's answer
+    (``resolve_job``) while it has the job; once the job was deleted (control forgot it, its
+    versions stay in the store: `surgectl delete job`'s hint), an id the store holds versions
+    of, or a name that exactly one such id carries (``<name>-<6 hex>``, as control makes them).
+    ``unknown_as_is``: ``ref`` itself when neither knows it (the caller's next call says why).
+    ``ids``: the job ids that have versions, read by the caller (a local catalog: `export`,
+    `generate`, `eval`), instead of the store's; control unreachable then, they alone decide.
+
+    Raises:
+        CliError (exit 2): neither control nor the store knows it (unless ``unknown_as_is``),
+            or the name is ambiguous (``unknown_as_is`` or not: control's ended jobs that
+            share it, when the store holds no one id of the name either).
+    """
+    try:
+        found = resolve_job(ref)
+    except CliError as e:
+        if not ref or not (e.code == 2 or (ids is not None and e.unreachable)):
+            raise
+        unknown = e
+    else:
+        return found if found == ref else _run_with_versions(ref, found, ids)
+    if ids is None:
+        try:
+            ids = _ids_with_versions()
+        except CliError:  # (the store down: the job is unknown as control says)
+            if unknown_as_is and not isinstance(unknown, AmbiguousName):
+                return ref
+            raise unknown from None
+    if ref in ids:
+        return ref
+    named = _runs_named(ref, ids)
+    if len(named) > 1:
+        # (control down: it could not say which live; ambiguous to control: some may be its ended jobs)
+        which = "deleted jobs" if not (unknown.unreachable or isinstance(unknown, AmbiguousName)) else "jobs"
+        raise CliError(
+            f"job name {ref!r} is ambiguous: {which} {', '.join(named)} have checkpoint versions; name one by its id",
+            code=2,
+        )
+    if named:
+        return named[0]
+    if unknown_as_is and not isinstance(unknown, AmbiguousName):
+        return ref
+    raise unknown
+
+
+def _run_with_versions(name: str, live: str, ids: Collection[str] | None) -> str:
+    """For a version, the job ``name`` means is its newest run that has versions: control's
+    newest live job of the name (``live``) unless it has none and exactly one other run of the
+    name has (fresh37b: a queued ``joba`` with no versions hid the running one's; ``joba:1``
+    was "not found"). The store unreachable: ``live``, whose lookup then says why."""
+    if ids is None:
+        try:
+            ids = _ids_with_versions()
+        except CliError:
+            return live
+    if live in ids:
+        return live
+    named = _runs_named(name, ids)
+    return named[0] if len(named) == 1 else live
+
+
+def _ids_with_versions() -> set[str]:
+    """The job ids the store holds checkpoint versions of (raises CliError: the store down)."""
+    listed = clients.call("store", lambda s: s.List(store_pb2.CheckpointQuery(job_id=""), timeout=10))
+    return {c.job_id for c in listed.checkpoints}
+
+
+def _runs_named(name: str, ids: Collection[str]) -> list[str]:
+    """The ids among ``ids`` of runs of job ``name`` (``<name>-<6 hex>``, as control makes them)."""
+    return sorted(i for i in ids if re.fullmatch(re.escape(name) + r"-[0-9a-f]{6}", i))
+
+
+class AmbiguousName(CliError):
+    """A job name several of control's ended jobs share (``pick_job``'s AmbiguousJob), exit 2:
+    never taken for an unknown name that a caller may pass on as typed."""
+
+
 def _resolve_job(ref: str, stub: object | None) -> str:
     query = control_pb2.JobQuery()
     jobs = (stub.ListJobs(query, timeout=10) if stub is not None else _list_jobs(query)).jobs
     try:
         return pick_job(ref, jobs)
     except AmbiguousJob as e:
-        raise CliError(str(e), code=2) from None
+        raise AmbiguousName(str(e), code=2) from None
     except UnknownJob as e:
         unknown = CliError(str(e), code=2)
     # Not listed: an id control may still answer for by its own refusal (another team's job,

@@ -82,8 +82,10 @@ def state_text(s: control_pb2.JobStatus) -> str:
         text += f" ({OUTCOME.Name(s.outcome)})"
     elif s.state == STATE.PAUSED and s.drained:
         text += " (drained)"  # by `surgectl down`: the next `up` resumes it
-    elif s.state == STATE.RUNNING and s.drained:
-        text += " (draining)"  # `surgectl down`'s checkpoint and pause in flight
+    elif s.state == STATE.RUNNING and s.draining and s.draining_step:
+        text += f" (draining: saving step {s.draining_step})"  # its paused ranks save for `surgectl down`
+    elif s.state == STATE.RUNNING and (s.draining or s.drained):
+        text += " (draining)"  # `surgectl down`'s checkpoint and pause in flight (drained: an older control)
     elif s.state == STATE.STANDBY and s.preempted_by:  # (a STANDBY sub-state: it comes back by itself)
         text = f"PREEMPTED (by {s.preempted_by}" + (f", queued #{s.queue_position})" if s.queue_position else ")")
     elif s.state == STATE.RUNNING and s.preempted_by:
@@ -407,7 +409,8 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
         # of the job's steps but the first; services/control/orchestrator/training.py _throughput)
         "tokens/s (steps after the first)": tokens_per_second(s),
         "tokens seen": f"{s.tokens_seen:,}",
-        **({"MFU (last step)": mfu_text(s)} if s.peak_tflops else {}),
+        # over the same steps as the tokens/s row (control's JobStatus.mfu), not the last step's
+        **({"MFU (steps after the first)": mfu_text(s)} if s.peak_tflops else {}),
         "training wall time": f"{s.elapsed_seconds:.1f} s",
         "checkpoint": s.checkpoint_version or "—",
         **(extra or {}),

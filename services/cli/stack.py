@@ -39,6 +39,8 @@ from services.common.pids import pid_alive
 from services.worker.memory_chunks import remove_dead_dirs
 
 HOST = "127.0.0.1"
+PORTS_FILE = "ports.json"  # each service's ports the last time it ran: `up` gives them again
+TARGETS_FILE = "prometheus_targets.json"  # the stack's /metrics endpoints, Prometheus file_sd
 
 
 class StartFailed(CliError):
@@ -85,19 +87,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_free(port: int) -> bool:
+    """Whether ``port`` can be bound on ``HOST`` now (a socket in TIME_WAIT does not count)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+        return True
+
+
 class _Ports:
     """Free ports for one `up`, never the same one twice. Another process can still take a
     port between our probe and the service's bind: `_start` then retries with fresh ports.
     A port the operator fixed (``SURGE_<SERVICE>_PORT``, the variable the service itself
     reads) is used as given, and the address in ``stack.json`` that every command reads
-    names it."""
+    names it. Otherwise a service gets the port it had the last time (``ports.json``) while
+    that port is free, so a Prometheus scraping the stack keeps its targets (and series)
+    across `down` / `up`; a port taken since, or a retry after a lost race, gets a fresh one."""
 
-    def __init__(self, fixed: set[int] = frozenset()) -> None:
+    def __init__(self, fixed: set[int] = frozenset(), remembered: dict[str, int] | None = None) -> None:
         self._given: set[int] = set(fixed)  # never hand out a port the operator fixed
+        self._remembered = dict(remembered or {})  # "<service>.port" / "<service>.metrics" -> its last port
 
-    def __call__(self, var: str | None = None) -> str:
+    def __call__(self, var: str | None = None, key: str = "") -> str:
         if var and os.environ.get(var):
             return str(env_port(var))
+        last = self._remembered.pop(key, 0)  # (once: a retry means it was lost after all)
+        if last and last not in self._given and port_free(last):
+            self._given.add(last)
+            return str(last)
         while (port := free_port()) in self._given:
             pass
         self._given.add(port)
@@ -145,6 +165,22 @@ def down_services(procs: dict[str, ServiceProc] | None = None) -> list[str]:
     recorded: [])."""
     procs = read_stack() if procs is None else procs
     return [name for name, p in (procs or {}).items() if not _running(p.pid)]
+
+
+def stopped_pid(service: str, procs: dict[str, ServiceProc] | None = None) -> int:
+    """The pid of ``service``'s recorded process when it is stopped (state ``T``/``t`` in
+    /proc/PID/stat: a SIGSTOP, a debugger), else 0. Such a process still holds its port (the
+    kernel completes connects) but never answers: `kill -CONT PID` resumes it where it was,
+    which a restart would not (fresh36 F6: was "its process runs")."""
+    procs = read_stack() if procs is None else procs
+    p = (procs or {}).get(service)
+    if p is None:
+        return 0
+    try:
+        state = Path(f"/proc/{p.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return 0
+    return p.pid if state in ("T", "t") else 0
 
 
 # The order services start in: store and data, then control (it needs their addresses),
@@ -229,9 +265,9 @@ def up(
         raise CliError(problem, code=2)
     access = stack_access.service_args(tokens, open_stack)  # (refused before anything starts)
     run = paths.run_dir()
-    _check_writable(run / "logs")
+    check_writable(run / "logs")
     env = _env()
-    port = _Ports(fixed_ports)
+    port = _Ports(fixed_ports, _remembered_ports())
     procs: dict[str, ServiceProc] = {}
     guard = _StopOnInterrupt(procs) if exit_on_interrupt else None
 
@@ -266,15 +302,20 @@ def up(
                     "store",
                     lambda: [
                         "--port",
-                        port("SURGE_STORE_PORT"),
+                        port("SURGE_STORE_PORT", "store.port"),
                         "--metrics-port",
-                        port("SURGE_STORE_METRICS_PORT"),
+                        port("SURGE_STORE_METRICS_PORT", "store.metrics"),
                         *access,
                     ],
                 ),
                 "data": (
                     "data",
-                    lambda: ["--port", port("SURGE_DATA_PORT"), "--metrics-port", port("SURGE_DATA_METRICS_PORT")],
+                    lambda: [
+                        "--port",
+                        port("SURGE_DATA_PORT", "data.port"),
+                        "--metrics-port",
+                        port("SURGE_DATA_METRICS_PORT", "data.metrics"),
+                    ],
                 ),
             }
         )
@@ -284,13 +325,13 @@ def up(
                     "control",
                     lambda: [
                         "--port",
-                        port("SURGE_CONTROL_PORT"),
+                        port("SURGE_CONTROL_PORT", "control.port"),
                         "--data",
                         procs["data"].address,
                         "--store",
                         procs["store"].address,
                         "--metrics-port",
-                        port("SURGE_CONTROL_METRICS_PORT"),
+                        port("SURGE_CONTROL_METRICS_PORT", "control.metrics"),
                         *access,
                     ],
                 )
@@ -302,13 +343,17 @@ def up(
                     "worker",
                     lambda i=i: [
                         "--port",
-                        port(),
+                        port(key=f"worker-{i}.port"),
                         "--control",
                         procs["control"].address,
                         "--worker-id",
                         f"worker-{i}",
                         "--metrics-port",
-                        port(),
+                        port(key=f"worker-{i}.metrics"),
+                        # the host's RAM shared by its agents: each registers RAM / N, so
+                        # admission by memory never places more than the host holds
+                        "--host-share",
+                        str(num_workers),
                     ],
                 )
                 for i in range(num_workers)
@@ -439,7 +484,7 @@ class _StopOnInterrupt:
             os._exit(130)
 
 
-def _check_writable(logs: Path) -> None:
+def check_writable(logs: Path) -> None:
     """Create ``logs`` (under SURGE_HOME) and write a file in it, before anything starts.
 
     Raises:
@@ -592,6 +637,37 @@ def _write(procs: dict[str, ServiceProc]) -> None:
     tmp = f.with_suffix(".tmp")
     tmp.write_text(json.dumps({"services": {n: asdict(p) for n, p in procs.items()}}, indent=2))
     tmp.replace(f)
+    _remember_ports(procs)
+
+
+def _remembered_ports() -> dict[str, int]:
+    """``ports.json``: each service's ports the last time it ran ("<name>.port" / ".metrics")."""
+    try:
+        raw = json.loads((paths.run_dir() / PORTS_FILE).read_text())
+        return {k: int(v) for k, v in raw.items() if isinstance(v, int) and 0 < v < 65536}
+    except (OSError, ValueError, AttributeError):  # none yet, or not ours: fresh ports
+        return {}
+
+
+def _remember_ports(procs: dict[str, ServiceProc]) -> None:
+    """Keep every service's ports for the next `up` (``ports.json``, kept by `down`) and write
+    ``prometheus_targets.json``: the stack's /metrics endpoints in Prometheus' file_sd format,
+    labelled ``service`` (as deploy/prometheus.yml labels the compose stack's)."""
+    run = paths.run_dir()
+    ports = _remembered_ports()
+    for name, p in procs.items():
+        ports[f"{name}.port"] = p.port
+        if p.metrics_port:
+            ports[f"{name}.metrics"] = p.metrics_port
+    targets = [
+        {"targets": [f"{HOST}:{p.metrics_port}"], "labels": {"service": name}}
+        for name, p in procs.items()
+        if p.metrics_port
+    ]
+    for file, content in ((PORTS_FILE, ports), (TARGETS_FILE, targets)):
+        tmp = run / f"{file}.tmp"
+        tmp.write_text(json.dumps(content, indent=2))
+        tmp.replace(run / file)
 
 
 def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:

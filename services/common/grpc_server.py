@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc.experimental import ChannelOptions
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -55,6 +56,41 @@ GRPC_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # two services must never share a port silently
 ]
+
+# For a channel or server that receives only small messages, at a pace (a rank's session
+# commands and metric acks, the store's acks of a node's metric batches, control's node
+# sessions): no BDP probe. gRPC's receiver otherwise sends a PING with (almost) every message
+# it reads, to size a flow-control window that such a stream never fills: at one 1 KiB
+# message a second, ~45 wake-ups a second of the receiver's event_engine threads and ~21 of
+# the sender's, against ~20 and ~7 without it (bench/grpc_pings.py, grpcio 1.85). gRPC's
+# default 64 KiB stream window stays: ample for such messages, and what bounds a stalled
+# receiver's memory per stream (control holds thousands). Never on a channel of bulk data
+# (micro-batches, checkpoint chunks): its window must grow with the link.
+SMALL_MESSAGES = (("grpc.http2.bdp_probe", 0),)
+# For a server whose many streams are small and paced (a node agent's rank sessions: a message
+# a second per rank; the store's metric batches: one a second per node) but which also takes
+# bulk data (memory copies from other agents, checkpoint chunks): no BDP probe, and a fixed
+# 16 MiB stream window in its place, so a bulk stream is not held to gRPC's default 64 KiB
+# (BDP's own window is max(4 MiB, 2 x BDP) at low memory pressure: 16 MiB covers a link's
+# BDP up to ~8 MiB, e.g. 25 Gb/s at 2.5 ms). Not measured on a real link (loopback's
+# throughput under this machine's load moved 220-980 MB/s either way).
+SMALL_AND_BULK = (("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 16 << 20))
+
+# For a channel whose only server stream is read by one thread of ours that nothing else
+# waits on and that is mostly busy elsewhere (a rank's data reader waits on the loop's queue):
+# that thread takes the stream's messages off gRPC's completion queue itself, with no channel
+# spin thread. With one, every message woke two threads (the spin thread, which hands it on,
+# and the reader), and the spin thread woke five times a second more for grpcio's 200 ms
+# signal check while the stream was open (taking a rank's GIL from its training loop each
+# time); without, the reader
+# waits in gRPC only when it wants a message (a rank's data reader, while the loop's queue is
+# full, waits there and nothing polls: the transport keeps what arrives up to its window, as
+# before). Only unary-stream calls change; what they give up (``code()``, ``details()``
+# before the call ended, a ``result()`` that blocks) no such reader uses. A rank's data
+# stream, pair A of session 37: the ranks' spin threads 56 -> 26 wake-ups a second. Not for a
+# reader that waits in gRPC all the time (an idle watch): it then wakes for grpcio's 200 ms
+# check itself, as often as the spin thread did (control's store watch: no change).
+SINGLE_THREADED_STREAM = ((ChannelOptions.SingleThreadedUnaryStream, 1),)
 
 TLS_CERT_ENV, TLS_KEY_ENV, TLS_CA_ENV = "SURGE_TLS_CERT", "SURGE_TLS_KEY", "SURGE_TLS_CA"
 TLS_SERVER_NAME_ENV = "SURGE_TLS_SERVER_NAME"
@@ -162,13 +198,21 @@ class ServiceServer:
         TlsConfigError: the TLS variables are incomplete or unreadable.
     """
 
-    def __init__(self, name: str, host: str, port: int, max_workers: int = 32, identities: Identities | None = None):
+    def __init__(
+        self,
+        name: str,
+        host: str,
+        port: int,
+        max_workers: int = 32,
+        identities: Identities | None = None,
+        options: Sequence[tuple[str, Any]] = (),
+    ):
         self.name = name
         credentials = _preflight(name, host, port)
         self.tls = credentials is not None
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-            options=GRPC_OPTIONS,
+            options=[*GRPC_OPTIONS, *options],
             interceptors=[CallGuard(os.environ.get(AUTH_TOKEN_ENV) or None, identities)],
         )
         self.health = health.HealthServicer()

@@ -1,6 +1,10 @@
-"""The node of every rank of a job (``RankAssignment.rank_nodes``, index = rank), carried once
-per launch as runs of consecutive ranks on one node (``LaunchRanks.node_runs``), and in a
-rebuild's rendezvous the same way (``RebuildParallelGroup.node_runs``).
+"""The node of every rank of a job (``RankAssignment.rank_nodes``, index = rank): how it was
+carried, and the form in which ranks now learn it at their rendezvous (the end of this file).
+
+Legacy (launch35): an older L1-2 sends it once per launch as runs of consecutive ranks on one
+node (``LaunchRanks.node_runs``), and in a rebuild's rendezvous the same way
+(``RebuildParallelGroup.node_runs``); the node agent and the rank still read those. The
+current L1-2 sends neither (the history below, then the section at the end).
 
 Why: each rank's assignment carried the whole world's list, and a node agent's launch holds
 all its ranks' assignments, so a job's launches were quadratic in its ranks (8,192 ranks on
@@ -43,3 +47,37 @@ def nodes_of(msg: Any) -> list[str]:
     """The node of each rank a message names (a ``RebuildParallelGroup``): its own
     ``rank_nodes`` where it carries them, else its ``node_runs`` expanded (empty: neither)."""
     return list(msg.rank_nodes) or expand(msg.node_runs)
+
+
+# ---------------------------------------------------------------- the map a rank learns at its rendezvous
+#
+# Why (issue 28, launch35): the runs above made each launch O(nodes), still O(nodes²) for a job
+# of one-rank nodes (10,000 nodes: 10^8 runs built by L1-2, 13.2 GB of control's memory, then
+# the OOM killer). L1-2 now sends neither: each rank names its own node at its rendezvous store
+# and the last to arrive publishes the map once, in the form below, which the planner needs
+# (services/engine/node_map.py). The planner reads only which ranks share a node, not the
+# nodes' names, so the map names nodes by their order of first appearance and folds runs of
+# equal size on successive new nodes into one group: a job filled node by node is one group
+# whatever its size; each irregularity (a replacement on another node, mixed node sizes) adds one.
+
+
+def node_groups(rank_nodes: Sequence[str]) -> list[tuple[int, int, int]]:
+    """``rank_nodes`` (index = rank) as groups ``(first node, ranks per node, nodes)``: ``nodes``
+    runs of ``ranks per node`` consecutive ranks on the nodes ``first node``, ``first node + 1``,
+    ... (nodes numbered 0, 1, ... in the order of their first rank)."""
+    number: dict[str, int] = {}
+    groups: list[tuple[int, int, int]] = []
+    for run in node_runs(rank_nodes):
+        node = number.setdefault(run.worker_id, len(number))
+        if groups and groups[-1][1] == run.ranks and groups[-1][0] + groups[-1][2] == node:
+            first, size, nodes = groups[-1]
+            groups[-1] = (first, size, nodes + 1)
+        else:
+            groups.append((node, run.ranks, 1))
+    return groups
+
+
+def expand_groups(groups: Iterable[Sequence[int]]) -> list[str]:
+    """The node of each rank, index = rank, from :func:`node_groups` (nodes named ``node<i>``):
+    the same partition of the ranks into nodes as the list it was made from."""
+    return [f"node{first + k}" for first, size, nodes in groups for k in range(nodes) for _ in range(size)]

@@ -2,11 +2,14 @@
 
     python -m services.control --port P [--host 127.0.0.1] [--db PATH] --data ADDR --store ADDR
         [--metrics-port M] [--max-sessions N] [--webhook URL] [--tokens FILE]
+        [--liveness-port U] [--liveness-advertise-port U] [--liveness-datagrams]
 
 Environment: SURGE_CONTROL_PORT, SURGE_CONTROL_DB (default ``$SURGE_HOME/control.db``),
 SURGE_DATA_ADDRESS, SURGE_STORE_ADDRESS, SURGE_CONTROL_METRICS_PORT (Prometheus
 ``/metrics``; default 0 = not served), SURGE_CONTROL_WEBHOOK (job-end webhook for jobs whose
-spec names none: services/control/webhooks.py), SURGE_TOKENS_FILE (per-team access: principals
+spec names none: services/control/webhooks.py), SURGE_CONTROL_LIVENESS_PORT,
+SURGE_CONTROL_LIVENESS_ADVERTISE_PORT and SURGE_CONTROL_LIVENESS_DATAGRAMS=on (the node agents'
+liveness beats as UDP datagrams, opt-in: services/control/liveness_datagrams.py), SURGE_TOKENS_FILE (per-team access: principals
 bound to teams, services/common/access.py; a file that cannot be read or is invalid is one
 line on stderr and exit status 2). Also serves ``surge.v1.AuditService``. A port already
 in use is one line on stderr and exit status 2; SIGTERM / SIGINT stop it cleanly (sessions
@@ -37,9 +40,9 @@ from dataclasses import dataclass
 
 import structlog
 
-from services.common import grpc_waits, logs, paths, thread_names
+from services.common import grpc_waits, logs, paths, stack_dump, thread_names
 from services.common.access import TOKENS_FILE_ENV, reload_tokens, tokens_of_flag
-from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
+from services.common.grpc_server import SMALL_MESSAGES, AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, address, env_option, listen_host, port
 from services.contract import (
     Module,
@@ -54,12 +57,14 @@ from services.contract.bus import Bus, RouteError
 from services.contract.injection import env_error
 from services.contract.relay import L1, L5, RANK, Link
 from services.contract.validation import ContractError, refuse, validate_table, validate_wiring
-from services.control import faults
+from services.control import faults, metrics
 from services.control.access import ControlAccess
+from services.control.beat_stamps import BeatStamps
 from services.control.event_applier import EventApplier, InOrder
-from services.control.fault_detector import FaultDetector
+from services.control.fault_detector import DEFAULT_RULES, FaultDetector
 from services.control.job_store import JobStore
-from services.control.orchestrator import Orchestrator
+from services.control.liveness_datagrams import LivenessDatagrams
+from services.control.orchestrator import PREEMPTION_CLAIM_S, Orchestrator
 from services.control.recovery_controller import RecoveryController
 from services.control.resource_allocator import ResourceAllocator
 from services.control.scheduler import QuotaBook, QuotaFileError, load_quota_file
@@ -101,6 +106,7 @@ class Control:
     orchestrator: Orchestrator
     store: StoreRelay
     webhooks: WebhookSender
+    liveness: LivenessDatagrams | None = None  # the agents' liveness datagrams (None: not read)
 
 
 def build(
@@ -119,6 +125,9 @@ def build(
     preemption_min_run_s: float = 120.0,
     resize_min_interval_s: float = 60.0,
     quotas: QuotaBook | None = None,
+    preemption_claim_s: float = PREEMPTION_CLAIM_S,
+    liveness_port: int | None = None,
+    liveness_advertise_port: int = 0,
 ) -> Control:
     """Build and wire the four L1 modules and the relays on one bus.
 
@@ -128,6 +137,10 @@ def build(
         ValueError: an invalid fault rule.
 
     ``quotas``: the teams' quotas from ``--quotas FILE`` (None: every team unlimited).
+    ``liveness_port``: the UDP port on ``host`` where the node agents send their liveness beats
+    as datagrams (0: any free one; None: none, they beat on their sessions; a port that cannot
+    be bound: none, with a warning). ``liveness_advertise_port``: the port they are told (a
+    NAT's; 0: the bound one).
     """
     # The reporter sends as EXT_CONTRACT on this same bus (bound just below), from its own
     # thread: the violating module may be mid-decision.
@@ -161,7 +174,10 @@ def build(
     # that sent them (rank modules, their L4/L5 relays, EXT_CONTRACT), checked by the hub's link.
     sessions = SessionHub(bus, hardware=bus.emitter(Module.EXT_HARDWARE), journal=journal)
     # Their messages, applied per job in order (the servicer queues them on receipt).
-    applier = EventApplier(sessions)
+    # An agent's beat that changes nothing is taken on the loop that reads it: stamped here,
+    # its silence deadline (armed by L1-3) moved (services/control/beat_stamps.py).
+    stamps = BeatStamps()
+    applier = EventApplier(sessions, stamps=stamps)
     # A silence or stall deadline that fired is decided on the queue of the messages that
     # re-arm it, after those received before it fired: control's lag is no one's silence.
     detector = FaultDetector(
@@ -169,7 +185,13 @@ def build(
         rules=fault_rules,
         sick_nodes=sick_nodes,
         in_order=InOrder(applier),
+        stamps=stamps,
+        health=applier.health,  # control's own lag: agent verdicts wait while it is behind
     )
+    # Every known fault class's, outcome's and cause's series at 0 (a series born at 1 reads 0
+    # in increase(): rules and the dashboard missed each class's first fault).
+    # (the detector's table: its defaults under control's overrides, validated just above)
+    metrics.initialise_series({**DEFAULT_RULES, **(fault_rules or {})})
     watches = WatchHub()
     # Job-end webhooks (services/control/webhooks.py): queued here, POSTed on its own thread.
     webhooks = WebhookSender(webhook, spec_json=journal.spec_json)
@@ -236,6 +258,7 @@ def build(
         persist_interval_s=persist_interval_s,
         preemption_grace_s=preemption_grace_s,
         preemption_min_run_s=preemption_min_run_s,
+        preemption_claim_s=preemption_claim_s,
         resize_min_interval_s=resize_min_interval_s,
         checkpoints=bus.port(
             Module.L1_ORCHESTRATOR,
@@ -270,8 +293,24 @@ def build(
             control_pb2.TeamQuery,
         ),
     )
+    # A liveness-only beat may come as a datagram (liveness_datagrams.py): the same route as a
+    # session's AgentHeartbeat, taken by the same stamps or queued as the session's on the applier.
+    liveness = None
+    if liveness_port is not None:
+        try:
+            liveness = LivenessDatagrams(stamps, applier.event, host, liveness_port, liveness_advertise_port)
+        except OSError as e:  # (the agents beat on their sessions: slower at scale, never wrong)
+            structlog.get_logger("control").warning(
+                "liveness datagrams off: the UDP port could not be bound", port=liveness_port, error=str(e)
+            )
     servicer = ControlServicer(
-        user=user, watches=watches, sessions=sessions, applier=applier, max_sessions=max_sessions, access=access
+        user=user,
+        watches=watches,
+        sessions=sessions,
+        applier=applier,
+        max_sessions=max_sessions,
+        access=access,
+        liveness=liveness,
     )
     # The store's answers are applied in order with the node agents' events, on one thread.
     store.post = servicer.applier.call
@@ -285,6 +324,7 @@ def build(
         orchestrator=orchestrator,
         store=store,
         webhooks=webhooks,
+        liveness=liveness,
     )
 
 
@@ -367,10 +407,43 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "SURGE_PREEMPTION_MIN_RUN_SECONDS)",
     )
     p.add_argument(
+        "--preemption-claim-seconds",
+        type=float,
+        default=env.get("SURGE_PREEMPTION_CLAIM_SECONDS") or str(PREEMPTION_CLAIM_S),
+        help="how long a preemptor waiting in the queue claims the slots its victims free, first in line; then "
+        "it waits at its place in the fair order (env SURGE_PREEMPTION_CLAIM_SECONDS)",
+    )
+    p.add_argument(
         "--resize-min-interval-seconds",
         type=float,
         default=env.get("SURGE_RESIZE_MIN_INTERVAL_SECONDS") or "60",
         help="a job shrunk by a fault grows back at most once per this (env SURGE_RESIZE_MIN_INTERVAL_SECONDS)",
+    )
+    # The node agents' liveness beats as UDP datagrams (services/control/liveness_datagrams.py).
+    env_option(
+        p,
+        "--liveness-port",
+        "SURGE_CONTROL_LIVENESS_PORT",
+        port,
+        None,
+        "UDP port of the agents' liveness datagrams (default: the gRPC port's number; 0: any free one)",
+    )
+    env_option(
+        p,
+        "--liveness-advertise-port",
+        "SURGE_CONTROL_LIVENESS_ADVERTISE_PORT",
+        port,
+        "0",
+        "the UDP port the agents are told to send to, where a NAT publishes it under another (0: the bound one)",
+    )
+    # Opt-in for now: at 10,000 simulated agents on a starved 2-core host the fallback flipped
+    # sessions between datagrams and gRPC by the tens of thousands, and the control-restart case
+    # was not measured with it (docs/LOG.md, session 36). Off, every agent beats on its session.
+    p.add_argument(
+        "--liveness-datagrams",
+        action="store_true",
+        default=env.get("SURGE_CONTROL_LIVENESS_DATAGRAMS") == "on",
+        help="read the node agents' liveness beats as UDP datagrams (env SURGE_CONTROL_LIVENESS_DATAGRAMS=on)",
     )
     # Teams' quotas (issue 30; services/control/scheduler/quotas.py): read at start; a team
     # set or removed by `surgectl team` since (journaled) keeps that.
@@ -383,6 +456,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.resize_min_interval_seconds < 0:
         p.error(f"--resize-min-interval-seconds must be >= 0, got {args.resize_min_interval_seconds:g}")
+    if args.preemption_claim_seconds <= 0:
+        p.error(f"--preemption-claim-seconds must be > 0, got {args.preemption_claim_seconds:g}")
     if args.preemption_grace_seconds <= 0 or args.preemption_min_run_seconds < 0:
         p.error(
             "--preemption-grace-seconds must be > 0 and --preemption-min-run-seconds >= 0, got "
@@ -420,6 +495,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
+    stack_dump.install()  # `kill -USR2 PID`: every thread's stack into its log (a hang's diagnosis)
     grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     log = logs.configure("control")
     identities = tokens_of_flag(args.tokens)  # (a bad file: one line, exit 2)
@@ -431,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         pending = [
             ("grpc.server.max_pending_requests", args.max_sessions),
             ("grpc.server.max_pending_requests_hard_limit", 2 * args.max_sessions),
+            *SMALL_MESSAGES,  # (each node's events, paced, draw no BDP ping: grpc_server.py)
         ]
         server = AioServiceServer(
             "control", args.host, args.port, executor_threads=64, options=pending, identities=identities
@@ -451,8 +528,13 @@ def main(argv: list[str] | None = None) -> int:
             access=ControlAccess(enforced=identities is not None),
             preemption_grace_s=args.preemption_grace_seconds,
             preemption_min_run_s=args.preemption_min_run_seconds,
+            preemption_claim_s=args.preemption_claim_seconds,
             resize_min_interval_s=args.resize_min_interval_seconds,
             quotas=args.quota_book,
+            liveness_port=None
+            if not args.liveness_datagrams
+            else (server.port if args.liveness_port is None else args.liveness_port),
+            liveness_advertise_port=args.liveness_advertise_port,
             sick_nodes=SickNodePolicy(
                 window_seconds=args.sick_node_window_seconds,
                 faults=args.sick_node_faults,
@@ -475,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGHUP, lambda *_: reload_tokens(identities, log))
     server.start(["surge.v1.ControlService", AuditServicer.SERVICE_NAME])
     control.store.watch()  # the store's scrub findings, relayed for as long as control runs
+    if control.liveness is not None:
+        control.liveness.start()
     log.info(
         "control listening",
         address=f"{args.host}:{server.port}",
@@ -483,10 +567,13 @@ def main(argv: list[str] | None = None) -> int:
         store=args.store,
         metrics=args.metrics_port or None,
         tokens=args.tokens or None,
+        liveness_udp=control.liveness.port if control.liveness is not None else None,
     )
     stop.wait()
     log.info("control stopping")
     control.detector.close()  # first: with the sessions ended, no beat arrives; that is no silence
+    if control.liveness is not None:
+        control.liveness.close()
     control.orchestrator.close()  # no recovery retry either: the restarted control resumes them
     control.store.close()
     control.webhooks.close(timeout_s=2.0)  # the notices of jobs that just ended, if they can go

@@ -74,10 +74,13 @@ from typing import Any
 import structlog
 
 from services.contract import control_pb2
+from services.control.beat_stamps import BeatStamps
+from services.control.control_health import ControlHealth
 from services.control.metrics import (
     APPLIER_LAG,
     APPLY_SECONDS,
     BEATS_COALESCED,
+    BEATS_STAMPED,
     JOB_QUEUES,
     OLDEST_UNAPPLIED,
     QUEUE_DEPTH,
@@ -144,12 +147,22 @@ def _fold(waiting: control_pb2.WorkerEvent, newer: control_pb2.WorkerEvent) -> b
         return True
     if waiting.rank_beats.job_id != newer.rank_beats.job_id or newer.rank_beats.HasField("agent"):
         return False  # (the agent's beat is split off on receipt: one riding still is not folded)
+    if _by_datagram(waiting) != _by_datagram(newer):
+        # Beats that rode a liveness datagram never replace the session's (a rank's first beat
+        # of a session is what starts its watch; one by datagram starts none): queued behind.
+        return False
     fresh = {b.rank for b in newer.rank_beats.beats}
     kept = [b for b in waiting.rank_beats.beats if b.rank not in fresh]
     del waiting.rank_beats.beats[:]
     waiting.rank_beats.beats.extend(kept)
     waiting.rank_beats.beats.extend(newer.rank_beats.beats)
     return True
+
+
+def _by_datagram(ev: control_pb2.WorkerEvent) -> bool:
+    """Whether a RankBeats rode a liveness datagram (its beats all did, or none did)."""
+    beats = ev.rank_beats.beats
+    return bool(beats) and beats[0].heartbeat.by_datagram
 
 
 class InOrder:
@@ -173,8 +186,12 @@ class EventApplier:
     """Applies the node agent sessions' messages, per job in order, jobs in parallel on a
     bounded pool (see the module docstring for the queues, the order and the locks)."""
 
-    def __init__(self, hub: SessionHub, workers: int = 4, max_burst: int = 1024):
+    def __init__(self, hub: SessionHub, workers: int = 4, max_burst: int = 1024, stamps: BeatStamps | None = None):
         self._hub, self._workers, self._max_burst = hub, max(1, workers), max_burst
+        # An agent's beat that changes nothing is taken as it is read (beat_stamps.py): the
+        # composition root's stamps, which L1-3 arms; None: every beat is queued.
+        self._stamps = stamps
+        self.health = ControlHealth()  # control's own lag, probed on the loop (receive_on)
         self._lock = threading.Lock()  # the queues and counts below; nothing is called under it
         self._work = threading.Condition(self._lock)  # a queue became ready, or stop
         self._idle = threading.Condition(self._lock)  # nothing queued or being applied
@@ -199,13 +216,26 @@ class EventApplier:
         (``SessionHub.admit``: called in stream order)."""
         received = time.monotonic()
         agent = None
+        stamps = self._stamps
         if ev.HasField("rank_event") and ev.rank_event.HasField("heartbeat"):
             ev.rank_event.heartbeat.received_monotonic = received
         elif ev.HasField("rank_beats"):  # a node's beats of one job, sent together
             for beat in ev.rank_beats.beats:
                 beat.heartbeat.received_monotonic = received
+            if (  # the agent's own beat riding, liveness only: taken here (beat_stamps.py)
+                stamps is not None
+                and ev.rank_beats.HasField("agent")
+                and stamps.beat(session.worker_id, ev.rank_beats.agent.interval_seconds or 1.0, received)
+            ):
+                ev.rank_beats.ClearField("agent")
+                BEATS_STAMPED.inc()
             agent = split_agent_beat(ev)
+            if agent is None and not ev.rank_beats.beats:  # (the agent's beat, taken, was all it carried)
+                return
         elif ev.HasField("heartbeat"):  # the node agent's own beat (L1-2's placement reads its receipt)
+            if stamps is not None and stamps.beat(session.worker_id, ev.heartbeat.interval_seconds or 1.0, received):
+                BEATS_STAMPED.inc()
+                return  # liveness only: taken here, never queued
             ev.heartbeat.received_monotonic = received
         if agent is not None:  # as if it had come alone, just before: on the node queue, unsequenced
             agent.heartbeat.received_monotonic = received
@@ -218,8 +248,10 @@ class EventApplier:
 
     def receive_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """The gRPC server's loop, which receives the sessions' messages (the composition
-        root's): a call posted ``after_receipt`` goes through it first."""
+        root's): a call posted ``after_receipt`` goes through it first; control's health
+        (``health``: the loop's lag, the oldest unapplied message) is probed on it."""
         self._loop = loop
+        self.health.watch(loop, self.oldest_unapplied)
 
     def call(self, fn: Callable[[], None], key: str = NODE, after_receipt: bool = False) -> None:
         """Run ``fn`` on a pool thread, after everything queued before it on the queue

@@ -115,6 +115,9 @@ class JobView:
     restarts: Mapping[str, int]  # fault class -> relaunches spent
     ignored: Mapping[str, int]  # fault class -> faults ignored so far
     stop_requested: bool = False  # an operator stop is in flight
+    # The report's step is where the job stops training: "pause" (a pause's boundary), "drain"
+    # (a drain's, its save in place of a paused step too), "paused" (paused there); "": it trains on.
+    pausing: str = ""
     loading_version: str = ""  # the version the ranks of the recovery in flight load ("": none)
     # Why a rebuild in place cannot be done now ("": it can): the recovery in flight is a
     # rebuild that another fault interrupted, or no rank is running (paused, warming up).
@@ -171,6 +174,15 @@ def fault_class_of(report: control_pb2.FaultReport) -> str:
     return "rank_exit" if report.fault_class == "rank_exit_clean" else report.fault_class
 
 
+def named(fault_class: str, report: control_pb2.FaultReport) -> str:
+    """``fault_class`` as the operator reads it in events and status lines: with the report's
+    typed ``subclass`` when that names a narrower cause than the class the report goes under
+    (``worker_lost (agent_silent)``: a rank behind a silent node agent, where the line said
+    ``worker_lost`` alone; ``checkpoint_error (checkpoint_integrity)``). Never from the detail."""
+    sub = report.subclass
+    return f"{fault_class} ({sub})" if sub and sub != fault_class else fault_class
+
+
 def _step_fault(report: control_pb2.FaultReport) -> bool:
     """A step fault (the loop's report, ungraded) is decided by its class only."""
     return report.grade == FaultGrade.GRADE_UNSPECIFIED and fault_class_of(report) in STEP_FAULT_CLASSES
@@ -216,10 +228,12 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     grade = FaultGrade.Name(report.grade)
     step_fault = _step_fault(report)
     action = action_of(policy, report)
-    who = f"{fault_class} of rank {report.rank}" + (f" on {report.worker_id}" if report.worker_id else "")
+    who = f"{named(fault_class, report)} of rank {report.rank}" + (
+        f" on {report.worker_id}" if report.worker_id else ""
+    )
     if step_fault:
         who += f" at step {report.step}"
-    said = f"{grade + ' ' if not step_fault else ''}{fault_class}: {report.detail}"
+    said = f"{grade + ' ' if not step_fault else ''}{named(fault_class, report)}: {report.detail}"
 
     def stop(counted: str, text: str, outcome: int, final: str) -> Decision:
         return Decision(fault_class, "stop", counted, text, engine_pb2.STEP_STOP, outcome=outcome, final=final)
@@ -253,9 +267,13 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
     if action == "skip_save":
         # The ranks trained on (their save was lost where it was refused): nothing to command.
         saved = f"the save of step {report.step}" if report.step else "the save"
-        then = (
-            "the stop goes on without it" if job.stop_requested else "training continues, the next interval tries again"
-        )
+        at = f"step {report.step}" if report.step else "its step"
+        then = {  # (a paused job trains on no more: "training continues" was said of a drain's save, F1)
+            "pause": f"the pause goes on without it (the ranks pause at {at} with no checkpoint of it)",
+            "drain": f"the drain's pause goes on without it: not drained, the ranks stay paused at {at}",
+            "paused": f"the job stays paused at {at} with no checkpoint of it",
+        }.get(job.pausing, "training continues, the next interval tries again")
+        then = "the stop goes on without it" if job.stop_requested else then
         return Decision(
             fault_class,
             "skip_save",

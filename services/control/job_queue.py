@@ -5,8 +5,10 @@ Not a seed module: a data structure L1-1 (services/control/orchestrator/) owns, 
 journal. It decides nothing and touches nothing: the orchestrator asks it which job is at
 the head and where a job stands; the allocator (L1-2) says whether the head's ranks fit.
 
-Order here: ``(-priority, seq)``. ``seq`` is the submission order, handed out here and
-journaled with the entry, so a restarted control rebuilds the same order (``restore``). The
+Order here: ``(-priority, submitted, seq)``. ``submitted`` is the job's submission time (a
+preempted job queued again keeps its first one: its age is not restarted), ``seq`` the order
+it entered the queue, handed out here; both are journaled with the entry, so a restarted
+control rebuilds the same order (``restore``). The
 pass that starts queued jobs (orchestrator/queue.py) takes them in the order the scheduler
 gives (scheduler/fair_share.py: teams by their weighted share, then priority and age; a
 preemptor first until it starts; a job its own team's nominal admits past another team's
@@ -26,7 +28,7 @@ Teams (issue 30): the orchestrator sets ``order`` to the scheduler's fair order 
 (services/control/scheduler/fair_share.py), which is this order when every job is of one team;
 ``ordered``, ``head`` and ``position`` follow it.
 
-Journal form (``QueueEntry.to_json``): ``{"priority": p, "seq": n}`` in the job's journaled
+Journal form (``QueueEntry.to_json``): ``{"priority": p, "seq": n, "submitted": t}`` in the job's journaled
 bookkeeping (job_store's ``runtime``); a job without it is not queued.
 """
 
@@ -47,18 +49,27 @@ class PriorityOutOfRange(ValueError, Refusal):
 
 @dataclass(frozen=True)
 class QueueEntry:
-    """One queued job: its priority (higher first) and its place in submission order."""
+    """One queued job: its priority (higher first) and its place in submission order:
+    ``submitted`` (unix time of the job's submission: a preempted or moved job queued again
+    keeps it, as Slurm and Kubernetes keep the original submit time; 0: not known) then
+    ``seq`` (the order it entered this queue)."""
 
     job_id: str
     priority: int
     seq: int
     first: bool = False  # a drained job's resume (`surgectl up`): ahead of every priority
+    submitted: float = 0.0
 
-    def key(self) -> tuple[bool, int, int]:
-        return (not self.first, -self.priority, self.seq)
+    def key(self) -> tuple[bool, int, float, int]:
+        return (not self.first, -self.priority, self.submitted, self.seq)
 
     def to_json(self) -> dict:
-        return {"priority": self.priority, "seq": self.seq, **({"first": True} if self.first else {})}
+        return {
+            "priority": self.priority,
+            "seq": self.seq,
+            **({"first": True} if self.first else {}),
+            **({"submitted": self.submitted} if self.submitted else {}),
+        }
 
 
 def check_priority(priority: int) -> int:
@@ -88,17 +99,24 @@ class JobQueue:
         # (``forget_order``): a pass's places and events read it once, not once per job.
         self._ordered: list[QueueEntry] | None = None
 
-    def add(self, job_id: str, priority: int, first: bool = False) -> QueueEntry:
-        """Queue ``job_id`` behind every job of its priority or higher (``first``: ahead of
-        every job not queued ``first`` itself)."""
-        entry = QueueEntry(job_id, check_priority(priority), self._next_seq, first)
+    def add(self, job_id: str, priority: int, first: bool = False, submitted: float = 0.0) -> QueueEntry:
+        """Queue ``job_id`` behind every job of its priority or higher submitted before it
+        (``submitted``: its submission's unix time; ``first``: ahead of every job not queued
+        ``first`` itself)."""
+        entry = QueueEntry(job_id, check_priority(priority), self._next_seq, first, submitted)
         self._next_seq += 1
         return self.put(entry)
 
     def restore(self, job_id: str, journaled: dict) -> QueueEntry:
         """Queue ``job_id`` again as journaled (``QueueEntry.to_json``), in its old place."""
         return self.put(
-            QueueEntry(job_id, int(journaled["priority"]), int(journaled["seq"]), bool(journaled.get("first", False)))
+            QueueEntry(
+                job_id,
+                int(journaled["priority"]),
+                int(journaled["seq"]),
+                bool(journaled.get("first", False)),
+                float(journaled.get("submitted", 0.0)),
+            )
         )
 
     def put(self, entry: QueueEntry) -> QueueEntry:

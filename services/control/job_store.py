@@ -13,7 +13,7 @@ transaction, in queue order; a write returns its future and, by default, waits o
 (``wait=False``: the caller goes on; ``on_commit`` runs once it is durable). Reads first wait
 for the writes queued before them (``flush``): a read sees every write made before it.
 Worker event cursors of events with no journaled effect are not written at all
-(``applying(defer=True)``: the session hub marks them in memory, session_hub.py); a cursor
+(``applying(defer=True)``: the session hub marks them in memory, exactly_once.py); a cursor
 with an effect is always in the effect's transaction. A cursor is a watermark and the seqs journaled above it
 (services/control/worker_cursor.py: one agent's events are applied in order per job, not
 across its jobs), its row computed and marked on the writer's thread in commit order, so two

@@ -3,8 +3,13 @@
 The orchestrator observes them as it decides (it receives every fault report); nothing here
 reads another module. Names and labels:
 
-* ``surge_faults_total{grade,class}``: graded fault reports, consequences of an incident
-  included;
+* ``surge_faults_total{grade,class,role}``: graded fault reports; ``role`` ``cause`` for a
+  fault of its own (an incident, decided by the policy), ``consequence`` for a report of an
+  incident's effect (a survivor's broken collective, a dying rank's failure, recorded only:
+  orchestrator/triage.py CONSEQUENCE and LATE), so that a page per incident reads the causes
+  (deploy/rules SurgeFaultSevere); never a finished rank's clean exit (``rank_exit_clean``
+  triaged as its normal end) nor a released rank's end (``rank_released``): not faults
+  (orchestrator/faults.py);
 * ``surge_module_failures_total{event,cause,class}``: the fault reports that grade a module's
   failure event (``FaultReport.event``, its typed ``FailureCause`` and the class L1-3 gave it);
 * ``surge_fault_detection_latency_seconds{class}``: from when the fault happened, as far as
@@ -19,6 +24,9 @@ reads another module. Names and labels:
 * ``surge_checkpoint_failures_total{cause}``: checkpoint saves that failed (``unreachable``,
   ``timeout``, ...: the store's typed cause; without one, the failure's typed cause, e.g.
   ``communication`` for a peer lost in the save); training goes on and the next interval retries;
+* ``surge_jobs_ended_total{outcome}``: jobs that reached TERMINATED, by outcome (``FINISHED``,
+  ``STOPPED``, ``FAILED``): an alert on ``increase(...{outcome="FAILED"}[5m]) > 0`` fires on
+  the first failed job;
 * ``surge_worker_events_total{outcome}``: sequenced node agent events received by control's
   session relay, ``applied`` or ``duplicate`` (a resent event already applied: dropped);
 * ``surge_control_applier_lag_seconds{queue}``: how long node agent messages waited between
@@ -34,13 +42,18 @@ reads another module. Names and labels:
   waiting or being applied; ``surge_control_oldest_unapplied_seconds``: how long the oldest
   message still waiting has waited (0: none waits). Control's health: a growing depth or age
   is control falling behind its node agents.
+* ``surge_control_beats_stamped_total``: node agent beats taken on the gRPC loop (liveness
+  only: services/control/beat_stamps.py); ``surge_control_loop_lag_seconds``: how late that
+  loop runs (services/control/control_health.py); ``surge_control_silence_verdicts_waiting``
+  and ``surge_control_silence_verdicts_held_total{reason}``: silence verdicts L1-3 holds while
+  control is behind or most agents are quiet at once (fault_detector/disruption.py);
 * ``surge_control_messages_total{direction,kind}`` and ``surge_control_bytes_total{direction,kind}``:
   the messages of the node agents' ``WorkerSession`` streams and their serialized bytes, ``in``
   (WorkerEvent) and ``out`` (WorkerCommand); ``kind`` is the message a routed envelope carries
   (``StepCompleted``), ``RankHeartbeat`` for a rank's beat, else the stream field (``register``,
   ``rank_exited``, ``ack``, ``launch``, ...). Divided by the steps trained over the same window:
   the control plane's cost per training step (bench/control_messages.py).
-* ``surge_rank_slowdown_ratio{job_id,rank}``: a rank's compute per step over the median of
+* ``surge_rank_slowdown_ratio{job,rank}``: a rank's compute per step over the median of
   its peers' (its own earlier pace without peers), the median of its last intervals; set by
   L1-3's slow-rank detector as beats arrive (services/control/slow_ranks.py); 1: as its peers;
 * ``surge_slow_rank_findings_total``: ranks named slow (>= 1.5x, sustained) by that detector;
@@ -56,19 +69,34 @@ reads another module. Names and labels:
   writes it failed, by their WriteError (services/control/journal_failure.py);
 * ``surge_control_outbox_depth``: commands of decisions waiting for their journal write's
   commit (services/control/orchestrator/outbox.py): growing, the journal falls behind.
+
+Every label combination known at start-up is created at 0 there (``initialise_series``, from
+the composition root): a series born at 1 reads 0 in ``increase()`` / ``rate()``, so a rule or
+a dashboard panel on them missed each class's FIRST fault, and every fault after a control
+restart until the class came again (fresh36 F3; Prometheus' instrumentation guide, "avoid
+missing metrics").
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import Counter, Gauge, Histogram
 
-from services.contract import control_pb2, route_pb2
+from services.contract import control_pb2, route_pb2, store_pb2
+from services.jobspec import DEFAULT_CLASS_ACTIONS, DEFAULT_GRADE_ACTIONS, KNOWN_FAULT_CLASSES
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 5.0, 10.0, 30.0, 60.0, 120.0)
 _LAG_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _RECOVERY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
 
-FAULTS = Counter("surge_faults_total", "Graded fault reports received by the orchestrator.", ["grade", "class"])
+ROLE_CAUSE, ROLE_CONSEQUENCE = "cause", "consequence"  # surge_faults_total's role label
+FAULTS = Counter(
+    "surge_faults_total",
+    "Graded fault reports received by the orchestrator (not a finished rank's clean exit, not a release); "
+    "role: cause (an incident of its own) or consequence (of another rank's incident).",
+    ["grade", "class", "role"],
+)
 MODULE_FAILURES = Counter(
     "surge_module_failures_total",
     "Fault reports grading a module's failure event, by event, typed cause and fault class.",
@@ -96,7 +124,7 @@ CHECKPOINT_FAILURES = Counter(
 RANK_SLOWDOWN = Gauge(
     "surge_rank_slowdown_ratio",
     "A rank's compute seconds per step over the median of its peer ranks' (its own earlier pace without peers).",
-    ["job_id", "rank"],
+    ["job", "rank"],  # (``job``, as every job series: deploy/prometheus.yml's honor_labels keeps it)
 )
 
 
@@ -137,6 +165,65 @@ OLDEST_UNAPPLIED = Gauge(
 BEATS_COALESCED = Counter(
     "surge_control_beats_coalesced_total",
     "Node agent beats folded into the same session's beat still waiting to be applied (the newer wins).",
+)
+LIVENESS_READ = Counter(
+    "surge_liveness_datagrams_read_total",
+    "Node agent liveness datagrams (AgentLiveness over UDP) read and taken as the agent's beat "
+    "(services/control/liveness_datagrams.py).",
+)
+LIVENESS_DROPPED = Counter(
+    "surge_liveness_datagrams_dropped_total",
+    "Liveness datagrams dropped: malformed, unknown_slot (no session holds it), stale_session (an "
+    "older session's), bad_mac (not its session's key), stale_seq (a replay, or behind a later one).",
+    ["reason"],
+)
+LIVENESS_FALLBACKS = Counter(
+    "surge_liveness_fallbacks_total",
+    "Node agent sessions told to beat on their gRPC stream too: none of their datagrams heard for 2 beat periods.",
+)
+LIVENESS_RESUMED = Counter(
+    "surge_liveness_resumed_total",
+    "Node agent sessions told to beat as datagrams alone again: their datagrams heard after a fallback.",
+)
+LIVENESS_RANK_BEATS = Counter(
+    "surge_liveness_rank_beats_total",
+    "Ranks' beats that rode in their node agents' liveness datagrams (LivenessProgress), each applied "
+    "as if read off the agent's session.",
+)
+LIVENESS_HELD_FLIPS = Counter(
+    "surge_liveness_flips_deferred_total",
+    "Liveness fallbacks or resumes deferred by control's bound on them per second (each session's is "
+    "told at a later sweep or datagram).",
+)
+LIVENESS_DELAY = Histogram(
+    "surge_liveness_datagram_delay_seconds",
+    "A liveness datagram's AgentLiveness.unix_time (the agent's send) -> taken at control (its stamp, "
+    "or queued for the applier): the socket's queue and the reader's wait. Across hosts it includes "
+    "their clocks' skew.",
+    buckets=_LAG_BUCKETS,
+)
+BEATS_STAMPED = Counter(
+    "surge_control_beats_stamped_total",
+    "Node agent beats that changed nothing but a time, taken on the gRPC loop that read them (their "
+    "receipt stamped, the agent's silence deadline moved), never queued for the event applier.",
+)
+LOOP_LAG = Gauge(
+    "surge_control_loop_lag_seconds",
+    "How late control's gRPC loop ran its last probe (every 0.25 s): the loop's own lag in reading messages.",
+)
+SILENCE_VERDICTS_WAITING = Gauge(
+    "surge_control_silence_verdicts_waiting",
+    "Node agents and ranks whose silence deadline passed and whose verdict (agent_silent, a rank's silence) "
+    "L1-3 holds now, because control itself is behind or most agents went quiet at once.",
+)
+SILENCE_VERDICTS_HELD = Counter(
+    "surge_control_silence_verdicts_held_total",
+    "Silence verdicts held, by why: loop (control's gRPC loop behind), applier (its event applier behind), "
+    "disruption (most agents quiet at once), heard (a beat read as the deadline ran).",
+    ["reason"],
+)
+JOBS_ENDED = Counter(
+    "surge_jobs_ended_total", "Jobs that reached TERMINATED, by outcome (FINISHED, STOPPED, FAILED).", ["outcome"]
 )
 WORKER_EVENTS = Counter(
     "surge_worker_events_total",
@@ -237,8 +324,11 @@ def count_message(direction: str, kind: str, size: int) -> None:
 class ControlMetrics:
     """What the orchestrator records; a composition root may pass a stand-in in tests."""
 
-    def fault_reported(self, report: control_pb2.FaultReport, received_unix: float) -> None:
-        FAULTS.labels(control_pb2.FaultGrade.Name(report.grade), report.fault_class).inc()
+    def fault_reported(self, report: control_pb2.FaultReport, received_unix: float, consequence: bool = False) -> None:
+        """``consequence``: the report is an incident's effect (triage's CONSEQUENCE or LATE),
+        counted with ``role="consequence"``; else ``role="cause"``."""
+        role = ROLE_CONSEQUENCE if consequence else ROLE_CAUSE
+        FAULTS.labels(control_pb2.FaultGrade.Name(report.grade), report.fault_class, role).inc()
         if report.event:
             MODULE_FAILURES.labels(report.event, route_pb2.FailureCause.Name(report.cause), report.fault_class).inc()
         if report.occurred_unix > 0:
@@ -255,3 +345,61 @@ class ControlMetrics:
 
     def step_skipped(self, reason: str) -> None:
         SKIPPED_STEPS.labels(reason or "unknown").inc()
+
+    def job_ended(self, outcome: str) -> None:
+        JOBS_ENDED.labels(outcome).inc()
+
+
+# Not faults: never counted in surge_faults_total (orchestrator/faults.py).
+_NOT_FAULTS = frozenset({"rank_exit_clean", "rank_released"})
+# Decisions that relaunch ranks: their incidents are timed (surge_recovery_seconds) and spend
+# a restart budget (``budget_exhausted`` once it is spent).
+_RELAUNCHES = frozenset({"restart_ranks", "rollback", "exclude_node"})
+_SILENCE_HELD_REASONS = ("loop", "applier", "disruption", "heard")
+_SKIP_REASONS = ("overflow", "non_finite_loss")
+
+
+def initialise_series(grades: Mapping[str, int]) -> None:
+    """Create every label combination known at start-up at 0 (``labels()`` makes the child: a
+    counter at 0, a histogram with empty buckets), so that the first fault of a class, the
+    first failed job, the first failed save of a cause is an increase of 1 to every rule.
+
+    ``grades``: the fault detector's table (class -> FaultGrade value, control's overrides
+    included): each class's faults are counted with that grade. Decisions: each class's
+    default action (by class, else by its grade), and ``budget_exhausted`` where it relaunches;
+    a job whose policy names another action starts that series at 1 (jobs' policies are not
+    known at start-up). A class without a grade (the orchestrator's recovery waits:
+    ``store_unreachable``...) has its decision's series only."""
+    actions: dict[str, str] = {}
+    for fault_class in sorted(KNOWN_FAULT_CLASSES - _NOT_FAULTS):
+        grade = grades.get(fault_class)
+        if grade is not None:
+            for role in (ROLE_CAUSE, ROLE_CONSEQUENCE):
+                FAULTS.labels(control_pb2.FaultGrade.Name(grade), fault_class, role)
+        action = DEFAULT_CLASS_ACTIONS.get(fault_class)
+        if action is None and grade is not None:
+            action = DEFAULT_GRADE_ACTIONS.get(control_pb2.FaultGrade.Name(grade), "stop")
+        if action is not None:
+            actions[fault_class] = action
+    for fault_class, action in actions.items():
+        DECISIONS.labels(fault_class, action)
+        if action in _RELAUNCHES:
+            DECISIONS.labels(fault_class, "budget_exhausted")
+            RECOVERY.labels(fault_class)
+            DETECTION_LATENCY.labels(fault_class)
+    # A failed save's cause: the store's typed cause, else the failure's (orchestrator/texts.py).
+    for name, number in store_pb2.StoreFailureCause.items():
+        if number:
+            CHECKPOINT_FAILURES.labels(name.lower())
+    for name, number in route_pb2.FailureCause.items():
+        if number:
+            CHECKPOINT_FAILURES.labels(name.removeprefix("FAILURE_").lower())
+    for name, number in control_pb2.JobOutcome.items():
+        if number:
+            JOBS_ENDED.labels(name)
+    for reason in _SKIP_REASONS:
+        SKIPPED_STEPS.labels(reason)
+    for reason in _SILENCE_HELD_REASONS:
+        SILENCE_VERDICTS_HELD.labels(reason)
+    for outcome in ("applied", "duplicate"):
+        WORKER_EVENTS.labels(outcome)

@@ -131,4 +131,6 @@ class RecoveryController:
             generation=rebuilt.generation,
             world_size=rebuilt.world_size,
             placed=rebuilt.placed if rebuilt.HasField("placed") else None,
+            rank_worker_ids=rebuilt.rank_worker_ids,
+            rank_generation=rebuilt.rank_generation,
         )

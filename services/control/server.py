@@ -7,10 +7,14 @@ the remote party the route table names, and holds only routing knowledge:
 * ``ControlServicer`` (this file): operator RPCs become commands from EXT_USER to the
   orchestrator; its replies (JobStatus, JobList) and events (JobEvent) become responses
   and streams. ``WorkerSession`` opens a node agent's session (``surge-registered`` /
-  ``surge-last-seq`` headers: the agent resends everything after the last applied seq).
+  ``surge-last-seq`` headers: the agent resends everything after the last applied seq;
+  ``surge-liveness-bin``: where and with which key it sends its liveness beats as datagrams).
+* ``liveness_datagrams.py`` (``LivenessDatagrams``): the agents' liveness beats over UDP, read
+  on one thread and taken as their sessions' beats would be (the same route, another transport).
 * ``session_hub.py`` (``SessionHub``): one bidi session per node agent: its stream
   messages onto the bus as the modules it speaks for, commands down to it, exactly-once
-  across a control restart, and the rank log plumbing behind ``StreamLogs``.
+  across a control restart (``exactly_once.py``, a part of it), and the rank log plumbing
+  behind ``StreamLogs``.
 * ``event_applier.py`` (``EventApplier``): applies the sessions' stream messages, each
   job's in arrival order on the job's own queue, jobs in parallel on a bounded pool of
   threads, a burst at a time (``SessionHub.on_worker_events``).
@@ -44,6 +48,7 @@ from services.contract.bus import CommandPort, Reply
 from services.contract.failures import CAUSE_METADATA, REFUSAL_METADATA
 from services.control.access import AccessRefused, ControlAccess
 from services.control.event_applier import EventApplier
+from services.control.liveness_datagrams import LIVENESS_HEADER, LivenessDatagrams
 from services.control.loop_queue import LoopQueue
 from services.control.metrics import command_kind, count_message, event_kind
 from services.control.orchestrator import EVENT_LOG, IllegalTransition, JobNotFound
@@ -82,6 +87,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             RESOURCE_EXHAUSTED.
         access: per-team access (control/access.py; default: not enforced, as without a
             tokens file).
+        liveness: control's liveness socket: each session is granted a slot and key there
+            (the ``surge-liveness-bin`` header). None: no grant, agents beat on their sessions.
     """
 
     def __init__(
@@ -92,8 +99,12 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         applier: EventApplier | None = None,
         max_sessions: int = 8192,
         access: ControlAccess | None = None,
+        liveness: LivenessDatagrams | None = None,
     ):
         self._user, self._watches, self._sessions = user, watches, sessions
+        # Where the agents send their liveness beats as datagrams (liveness_datagrams.py);
+        # None: they beat on their sessions.
+        self._liveness = liveness
         self._access = access or ControlAccess()
         self.applier = applier or EventApplier(sessions)
         self._max_sessions = max_sessions
@@ -309,13 +320,14 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             try:
                 # The acknowledgement: once a node agent sees this header, its slots can be
                 # allocated; it resends its events after the last applied seq.
-                await context.send_initial_metadata(
-                    (
-                        (REGISTERED_HEADER, reg.worker_id),
-                        (LAST_SEQ_HEADER, str(session.applied)),
-                        (BATCHES_HEADER, "1"),
-                    )
-                )
+                header = [
+                    (REGISTERED_HEADER, reg.worker_id),
+                    (LAST_SEQ_HEADER, str(session.applied)),
+                    (BATCHES_HEADER, "1"),
+                ]
+                if self._liveness is not None:  # its liveness beats as datagrams, with this key
+                    header.append((LIVENESS_HEADER, self._liveness.grant(session).SerializeToString()))
+                await context.send_initial_metadata(tuple(header))
                 reader = asyncio.create_task(self._read_session(session, requests))
                 while (item := await commands.get()) is not None:
                     cmd = self._sessions.command(session, item)
@@ -324,6 +336,8 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             finally:
                 if reader is not None:
                     reader.cancel()
+                if self._liveness is not None:
+                    self._liveness.release(session)
                 self.applier.close(session)  # idempotent; after the messages already read
         finally:
             self._live -= 1

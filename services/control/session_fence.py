@@ -17,6 +17,8 @@ import structlog
 
 from services.common.fencing import FENCED_CALLS, GenerationFence, StaleGeneration
 from services.contract import control_pb2, worker_pb2
+from services.contract.relay import stamp_origin
+from services.contract.route_table import default_table
 
 _log = structlog.get_logger("control.server")
 
@@ -75,3 +77,68 @@ def admit_generation(
                 session.worker_id,
             )
         return False
+
+
+def replaced_failure(ev: worker_pb2.RankEvent, worker_id: str) -> Callable[[Any], None] | None:
+    """For a routed failure event (its route flagged ``failure``) of a replaced incarnation,
+    dropped by ``admit_generation``: the stamp that passes it on marked (``Failure.replaced``,
+    its generation), so that the job's record keeps what the old incarnation said (L1-3
+    grades it replaced, L1-1 records it stale: no incident). None for any other event (beats,
+    steps, a rank's other events stay dropped)."""
+    if ev.WhichOneof("event") != "routed":
+        return None
+    route = default_table().route(ev.routed.type)
+    if route is None or not route.failure:
+        return None
+
+    def mark(msg: Any) -> None:
+        stamp_origin(msg, job_id=ev.job_id, rank=ev.rank, worker_id=worker_id)
+        msg.failure.generation, msg.failure.replaced = ev.generation, True
+
+    return mark
+
+
+def replaced(fence: GenerationFence, job_id: str, rank: int, generation: int) -> bool:
+    """Whether ``generation`` of (job, rank) is older than the newest control launched (0:
+    unknown, never replaced): the fact the relay states on an exit (``RankExited.replaced``),
+    never a reason to drop it (L1-3 grades it, L1-1 decides)."""
+    return 0 < generation < fence.newest(job_id, rank)
+
+
+def reattached(fence: GenerationFence, reg: control_pb2.WorkerRegistration) -> dict[tuple[str, int], int]:
+    """The generation of each rank ``reg`` re-attaches (after ``without_replaced``), told to the
+    fence: after a control restart it knows only launches made since, so a replaced
+    incarnation's exit that comes up later is told from the one that runs."""
+    generations = {}
+    for launch in reg.running:
+        for a in launch.ranks:
+            fence.tell(launch.job_id, a.rank, a.generation)
+            generations[(launch.job_id, a.rank)] = a.generation
+    return generations
+
+
+def lost_exits(
+    fence: GenerationFence,
+    worker_id: str,
+    ranks: list[tuple[str, int]],
+    reason: str,
+    generations: dict[tuple[str, int], int],
+) -> list[control_pb2.RankExited]:
+    """The ``worker_lost`` exits of ``ranks``, lost with ``worker_id``'s session: each with the
+    launch that ran there (``generations``, the session's; else the newest), read before any is
+    reported (the first relaunches the job at once: a newer generation), so a node lost with all
+    its ranks of one launch counts once against it (sick_nodes.py), and a rank replaced
+    elsewhere before the session ended (its agent frozen, then gone) is stated ``replaced``."""
+    launched = [(job_id, rank, generations.get((job_id, rank)) or fence.newest(job_id, rank)) for job_id, rank in ranks]
+    return [
+        control_pb2.RankExited(
+            job_id=job_id,
+            rank=rank,
+            worker_id=worker_id,
+            detail=reason,
+            worker_lost=True,
+            generation=gen,
+            replaced=replaced(fence, job_id, rank, gen),
+        )
+        for job_id, rank, gen in launched
+    ]

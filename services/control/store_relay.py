@@ -104,7 +104,10 @@ class StoreRelay:
     def _watch(self) -> None:
         backoff = 0.5
         while not self._closed.is_set():
-            stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
+            # (not SINGLE_THREADED_STREAM: this thread would wait in gRPC all the time, waking
+            # as often as the spin thread does -- 7.9 wake-ups a second against 7.2 + 0.5, session 37)
+            watch = channel(self._address, module=Module.L1_ORCHESTRATOR)
+            stub = store_pb2_grpc.StoreServiceStub(watch)
             self._watching = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest())
             try:
                 for corrupt in self._watching:
@@ -112,6 +115,7 @@ class StoreRelay:
                     self.post(lambda c=corrupt: self._events(c))
             except grpc.RpcError:
                 pass  # the store went away (or control is closing): watch again once it is back
+            watch.close()  # (a channel a try: the next try opens its own)
             self._closed.wait(backoff)  # (the relay's own reconnect backoff, not a module's poll)
             backoff = min(backoff * 2, 5.0)
 

@@ -86,6 +86,11 @@ class Dashboard:
         tail = events_shown(query.get("events", [""])[0])
         job_id = self._job_id(ref)
         status = self._src.job(job_id)
+        if status.world_size and int(rank_text) >= status.world_size:  # (else rank 0's curves, unsaid)
+            raise PageError(
+                HTTPStatus.NOT_FOUND,
+                f"rank: {job_id} has no rank {rank_text} (its ranks are 0-{status.world_size - 1})",
+            )
         events = self._src.events(job_id, tail, sorted(types))  # (control's journal selects them)
         records = self._src.job_records(job_id, int(rank_text))
         return pages.job_page(

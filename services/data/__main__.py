@@ -33,7 +33,7 @@ import threading
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path
 
-from services.common import grpc_waits, logs, paths, thread_names
+from services.common import grpc_waits, logs, paths, stack_dump, thread_names
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port
 from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc, route_pb2
@@ -139,6 +139,7 @@ def _positive(text: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = ServiceArgumentParser(prog="python -m services.data", description="Surge data service (L4)")
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
+    stack_dump.install()  # `kill -USR2 PID`: every thread's stack into its log (a hang's diagnosis)
     grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     env_option(p, "--port", "SURGE_DATA_PORT", port, "50052", "gRPC port (0: any free port)")
     env_option(p, "--host", "SURGE_DATA_HOST", listen_host, "127.0.0.1", "address to listen on")

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -115,6 +116,16 @@ class SharedPipeline:
         """Every batch of the sequence, in order, for one consumer; raises the pipeline's
         error after the batches it made before failing. Attaches at once (the caller checked
         :attr:`joinable`); detaches when the generator ends, fails or is closed/cancelled."""
+        async with contextlib.aclosing(self.consume_together(1)) as pieces:
+            async for piece in pieces:
+                yield piece[0]
+
+    async def consume_together(self, most: int) -> AsyncIterator[list[data_pb2.MicroBatch]]:
+        """As :meth:`consume`, in pieces of up to ``most`` batches: each piece is what the
+        pipeline holds past this consumer's cursor when it is asked (it waits only while
+        nothing is held, never to fill a piece: a stream that is slower than its rank sends
+        each batch as it comes, as before). The batches are the pipeline's own, shared with
+        its other consumers: read them, never change them."""
         me = next(self._ids)
         self._cursors[me] = self._first
         self.consumers_served += 1
@@ -124,8 +135,9 @@ class SharedPipeline:
                 while i >= self._first + len(self._held) and not self._finished:
                     await self._changed.wait()
                 if i < self._first + len(self._held):
-                    yield self._held[i - self._first]
-                    self._cursors[me] = i + 1  # gRPC took it: this consumer passed it
+                    end = min(i + most, self._first + len(self._held))
+                    yield [self._held[j - self._first] for j in range(i, end)]
+                    self._cursors[me] = end  # gRPC took them: this consumer passed them
                     self._trim()
                     continue
                 if self.error is not None:

@@ -44,6 +44,13 @@ RankAssignment stays as given: frozen). A rendezvous without a layout must be of
 size. The reply to the loop's rebuild carries the rendezvous joined as its payload
 (generation, and the layout the loop takes: the data side of the same resize).
 
+Where the ranks run (issue 28): the planner's topology (which ranks share a node) is learned
+at every rendezvous, not sent: each rank names its node (``RankAssignment.worker_id``) at the
+store and the last to arrive publishes the map (services/engine/node_map.py). The assignment's
+plan is computed first without it (a bad config is refused before any group) and again on it
+after the join; a resize's likewise. An assignment or rendezvous that lists the nodes (an older
+L1-2's) is planned on its list.
+
 Communication faults (issue 26): the group's timeout is a collective's, given at
 construction (derived from the job's settings by the rank's root:
 services/rank/comm_settings.py); the rendezvous keeps its own (:data:`RENDEZVOUS_TIMEOUT_S`).
@@ -89,6 +96,7 @@ from services.contract.failures import (
     failure_of,
 )
 from services.contract.frozen import FrozenConfig
+from services.engine import node_map
 from services.engine.memory_quota import apply_memory_quota
 from services.engine.schedule_check import check_pipeline
 from services.engine.sharding_plan import ShardingPlan, Topology, plan
@@ -181,6 +189,9 @@ class ParallelStrategy:
         self._rendezvous: engine_pb2.RebuildParallelGroup | None = None
         self._mailbox = threading.Condition()
         self._joining: tuple[str, int] | None = None  # a rebuild's rendezvous being waited at
+        # The node of each rank of the group joined last, learned at its rendezvous store
+        # (services/engine/node_map.py: L1-2 no longer sends the world's list).
+        self._nodes: tuple[str, ...] = ()
         self._side_names = side_groups
         self._side: dict[str, Any] = {}  # the current world's side groups, by name
 
@@ -200,8 +211,10 @@ class ParallelStrategy:
         self._assignment.require_unset()
         _validate(msg, self._visible_devices)
         parallel = self._parallel_spec or ParallelSpec(dp=msg.world_size)
-        topology = Topology(tuple(msg.rank_nodes)) if msg.rank_nodes else None
-        sharding = plan(self._model_spec or ModelSpec(), msg.world_size, parallel, topology)  # ValueError: bad config
+        # The nodes: an older launcher's list in the assignment, else learned at the rendezvous
+        # (node_map.py) and planned on again then; this plan refuses a bad config before any group.
+        listed = tuple(msg.rank_nodes)
+        sharding = plan(self._model_spec or ModelSpec(), msg.world_size, parallel, Topology(listed) if listed else None)
         if sharding.pp > 1:  # seed commentary 2.4: the schedule's static deadlock check, before any group exists
             check_pipeline(sharding.pipeline_schedule, sharding.pp, sharding.microbatches)  # ScheduleError
         self._assignment.set(msg)
@@ -213,10 +226,12 @@ class ParallelStrategy:
             # (Counted in at the store like a rebuild's ranks: a replacement may be joining
             # survivors that wait for it there.)
             try:
-                self._join(msg.master_addr, msg.master_port, msg.rank, msg.world_size, msg.backend)
+                self._join(msg.master_addr, msg.master_port, msg.rank, msg.world_size, msg.backend, node=msg.worker_id)
             except _Superseded as e:
                 self._state = "comm_error"
                 raise RendezvousFailed(f"rendezvous at {msg.master_addr}:{msg.master_port} failed: {e}") from None
+            if not listed:  # (the same plan but where tp groups must stay inside nodes)
+                sharding = plan(self._model_spec or ModelSpec(), msg.world_size, parallel, Topology(self._nodes))
         self._plan, self._world_size = sharding, msg.world_size
         self._ready(t0, (self._shard_loader, self._reduction))
 
@@ -272,10 +287,12 @@ class ParallelStrategy:
             self._generation = rendezvous.generation
             try:
                 self._join(rendezvous.master_addr, rendezvous.master_port, assignment.rank, rendezvous.world_size,
-                           assignment.backend)  # fmt: skip
+                           assignment.backend, node=assignment.worker_id)  # fmt: skip
                 break
             except _Superseded as why:  # a rank of this generation was lost before all arrived
                 _log.warning("rendezvous_superseded", generation=rendezvous.generation, reason=str(why))
+        if rendezvous.layout.dp:  # a resize: planned again on the nodes learned at the rendezvous
+            sharding = self._plan_for(rendezvous, assignment.rank, self._nodes)
         communicator_reset()  # the new group is whole
         resized = sharding.world_size != self._world_size
         self._plan, self._world_size = sharding, rendezvous.world_size
@@ -291,9 +308,13 @@ class ParallelStrategy:
         self._ready(t0, (self._reduction, self._shard_loader))
         return Reply(None, rendezvous)
 
-    def _plan_for(self, rendezvous: engine_pb2.RebuildParallelGroup, rank: int) -> ShardingPlan:
+    def _plan_for(
+        self, rendezvous: engine_pb2.RebuildParallelGroup, rank: int, learned: tuple[str, ...] = ()
+    ) -> ShardingPlan:
         """The plan of the group ``rendezvous`` names: this rank's plan when it names no layout,
-        else the plan computed again at ``layout.dp`` (module docstring, "Resize in place").
+        else the plan computed again at ``layout.dp`` (module docstring, "Resize in place"), on
+        the nodes the rendezvous lists (an older L1-2's) or else ``learned`` (the node of each
+        rank, learned at its store: node_map.py; before the join: none, one node).
 
         Raises:
             RuntimeError: another size without a layout; a layout that is not the world size,
@@ -316,7 +337,7 @@ class ParallelStrategy:
             )
         base = self._parallel_spec or ParallelSpec(dp=self._world_size)
         parallel = ParallelSpec.model_validate({**base.model_dump(), "dp": layout.dp})
-        nodes = nodes_of(rendezvous)  # (L1-2 sends runs: services/common/rank_nodes.py)
+        nodes = nodes_of(rendezvous) or learned  # (an older L1-2 sent the list: services/common/rank_nodes.py)
         topology = Topology(tuple(nodes)) if nodes else None
         sharding = plan(self._model_spec or ModelSpec(), layout.dp, parallel, topology)  # ValueError: bad config
         if not (sharding.tp == 1 and sharding.pp == 1 and sharding.data_parallel in ("ddp", "none")):
@@ -398,8 +419,9 @@ class ParallelStrategy:
             rendezvous, self._rendezvous = self._rendezvous, None
         return rendezvous
 
-    def _join(self, addr: str, port: int, rank: int, world_size: int, backend: str) -> None:
-        """Initialise the default process group on the rendezvous store at ``addr:port``.
+    def _join(self, addr: str, port: int, rank: int, world_size: int, backend: str, *, node: str = "") -> None:
+        """Initialise the default process group on the rendezvous store at ``addr:port``; learn
+        there which node each rank runs on (``self._nodes``; this rank's is ``node``: node_map.py).
 
         Every rank first counts itself in at the store and waits for the last to arrive, or
         for a newer rendezvous from L1-2 (``_post`` marks this one superseded): a peer lost
@@ -418,7 +440,7 @@ class ParallelStrategy:
         if rank == 0 and _port_taken(port):
             self._state = "comm_error"
             raise RendezvousFailed(f"rendezvous port {port} is in use", port_in_use=True)
-        store = self._arrive(addr, port, rank, world_size)
+        store, nodes = self._arrive(addr, port, rank, world_size, node)
         try:
             dist.init_process_group(
                 backend=backend,
@@ -444,16 +466,19 @@ class ParallelStrategy:
             self._state = "comm_error"
             raise RendezvousFailed(f"rendezvous at {addr}:{port} failed: {type(e).__name__}") from e
         with self._mailbox:
-            self._joined = (addr, port)
+            self._joined, self._nodes = (addr, port), nodes
 
     def side_group(self, name: str) -> Any:
         """The side group ``name`` of the current world (None before the group is formed, or
         when something else formed it). Destroyed with the world: a rebuild makes new ones."""
         return self._side.get(name) if dist.is_initialized() else None
 
-    def _arrive(self, addr: str, port: int, rank: int, world_size: int) -> dist.TCPStore:
+    def _arrive(
+        self, addr: str, port: int, rank: int, world_size: int, node: str = ""
+    ) -> tuple[dist.TCPStore, tuple[str, ...]]:
         """Count this rank in at the rendezvous store (rank 0 hosts it) and wait until all
-        ``world_size`` arrived; returns the store to form the group on.
+        ``world_size`` arrived; returns the store to form the group on and the node of each
+        rank (each names its own, ``node``, as it arrives; the last publishes the map: node_map.py).
 
         Raises:
             _Superseded: a newer rendezvous came first, or the store was unreachable.
@@ -472,15 +497,18 @@ class ParallelStrategy:
                 raise _Superseded("a newer rendezvous came before this one was joined")
             try:
                 store = self._connect(addr, port, rank, world_size)
+                node_map.publish(store, rank, node)
                 if store.add(_ARRIVED, 1) == world_size:
+                    node_map.assemble(store, world_size)  # (every rank's node is there: each set it first)
                     store.compare_set(_GO, "", _ALL)  # (unless superseded first)
                 store.wait([_GO])  # set by the last rank to arrive, or by _post (superseded)
                 go = store.get(_GO)
+                nodes = node_map.read(store) if go == _ALL else ()
             except Exception as e:  # noqa: BLE001 - its host went away, or it timed out: not this group
                 raise _Superseded(f"rendezvous store {addr}:{port}: {type(e).__name__}") from None
             if go != _ALL:
                 raise _Superseded("a newer rendezvous came while waiting for the others")
-            return store
+            return store, nodes
         finally:
             with self._mailbox:
                 self._joining = None

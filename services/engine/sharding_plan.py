@@ -167,29 +167,44 @@ def plan(model: ModelSpec, world_size: int, parallel: ParallelSpec, topology: To
     )  # fmt: skip
 
 
-def stage_layers(n_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
-    """Pipeline stage -> the block indices it holds: ``n_layers`` split into ``pp`` runs, the
-    first ``n_layers % pp`` stages one longer. Depends on no rank (the plan's mesh does)."""
+def stage_layer_counts(n_layers: int, pp: int) -> tuple[int, ...]:
+    """Pipeline stage -> how many blocks it holds: ``n_layers`` split into ``pp`` runs, the
+    first ``n_layers % pp`` stages one longer (what :func:`stage_layers` lists, in O(pp))."""
     base, extra = divmod(n_layers, pp)
+    return tuple(base + (1 if s < extra else 0) for s in range(pp))
+
+
+def stage_of_layer(n_layers: int, pp: int, layer: int) -> int:
+    """The pipeline stage that holds block ``layer`` (:func:`stage_layers`' split, in O(1))."""
+    base, extra = divmod(n_layers, pp)
+    long_runs = extra * (base + 1)  # the first ``extra`` stages hold base + 1 blocks each
+    return layer // (base + 1) if layer < long_runs else extra + (layer - long_runs) // base
+
+
+def stage_layers(n_layers: int, pp: int) -> tuple[tuple[int, ...], ...]:
+    """Pipeline stage -> the block indices it holds (:func:`stage_layer_counts`' runs, in
+    order). Depends on no rank (the plan's mesh does)."""
     stages, first = [], 0
-    for s in range(pp):
-        n = base + (1 if s < extra else 0)
+    for n in stage_layer_counts(n_layers, pp):
         stages.append(tuple(range(first, first + n)))
         first += n
     return tuple(stages)
 
 
+def block_tp_styles(model: ModelSpec) -> tuple[tuple[str, TPStyle], ...]:
+    """Megatron's split of one block's linears, by FQN within the block (``attn.q``, ...)."""
+    out: list[tuple[str, TPStyle]] = [("attn.q", "colwise"), ("attn.k", "colwise"), ("attn.v", "colwise"),
+                                      ("attn.proj", "rowwise")]  # fmt: skip
+    if model.mlp == "swiglu":
+        out.append(("mlp.gate", "colwise"))
+    out += [("mlp.up", "colwise"), ("mlp.down", "rowwise")]
+    return tuple(out)
+
+
 def tp_styles(model: ModelSpec) -> tuple[tuple[str, TPStyle], ...]:
     """Megatron's split of each block's linears, by module FQN (see the module docstring)."""
-    out: list[tuple[str, TPStyle]] = []
-    for i in range(model.n_layers):
-        b = f"blocks.{i}"
-        out += [(f"{b}.attn.q", "colwise"), (f"{b}.attn.k", "colwise"), (f"{b}.attn.v", "colwise"),
-                (f"{b}.attn.proj", "rowwise")]  # fmt: skip
-        if model.mlp == "swiglu":
-            out.append((f"{b}.mlp.gate", "colwise"))
-        out += [(f"{b}.mlp.up", "colwise"), (f"{b}.mlp.down", "rowwise")]
-    return tuple(out)
+    block = block_tp_styles(model)
+    return tuple((f"blocks.{i}.{fqn}", style) for i in range(model.n_layers) for fqn, style in block)
 
 
 def _node_major_order(topology: Topology, tp: int) -> tuple[list[int], list[str]]:

@@ -26,6 +26,10 @@ I32_MAX = 2**31 - 1
 # goal is 8,192 ranks), so an absurd size is refused in one line before control works on
 # it (dp 10,000,000 passed the old bound, 2^32 - 1, and ran control out of time and memory).
 MAX_WORLD_SIZE = 1 << 20
+# A model's depth: 16x the deepest transformers trained (DeepNet, 1,000 layers). Surge names,
+# checks (``model.freeze``: pattern by name) and builds a model layer by layer, so an absurd
+# depth is refused in one line (2^31 - 1 layers ran `submit --dry-run` out of memory).
+MAX_LAYERS = 1 << 14
 # A team quota's slot count (control's quotas and surgectl team set alike): no cluster has this
 # many slots; a bigger number is a typing mistake.
 MAX_TEAM_SLOTS = 1_000_000

@@ -111,6 +111,9 @@ DEFAULT_CLASS_ACTIONS: dict[str, str] = {
     # Any other exit (an error code, a signal that was no OOM kill) is rank_exit.
     "rank_oom": "restart_ranks",
     "rank_memory_error": "restart_ranks",
+    # A rank its node agent could not start (its executable, or an evaluation job's command,
+    # missing or not executable there): a relaunch would spend a restart on the same refusal.
+    "rank_not_started": "stop",
     # Data-parallel replicas found different (integrity.replica_check_every_steps): back to
     # the newest version at or before the last check that agreed (services/control/fault_decision.py).
     "replica_divergence": "rollback",

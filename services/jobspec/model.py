@@ -17,7 +17,7 @@ from pydantic import (
     model_validator,
 )
 
-from services.jobspec.base import I32_MAX, _Strict
+from services.jobspec.base import I32_MAX, MAX_LAYERS, _Strict
 
 
 class RopeScaling(_Strict):
@@ -47,7 +47,7 @@ class RopeScaling(_Strict):
 class ModelSpec(_Strict):
     """Decoder-only transformer (pre-norm, RoPE). Sizes in tokens / channels."""
 
-    n_layers: int = Field(4, gt=0, le=I32_MAX)
+    n_layers: int = Field(4, gt=0, le=MAX_LAYERS)
     d_model: int = Field(128, gt=0, le=I32_MAX)
     n_heads: int = Field(4, gt=0, le=I32_MAX)
     # Grouped-query attention (Ainslie et al. 2023), HF ``num_key_value_heads``: the k and v
@@ -128,23 +128,32 @@ def model_parameter_shapes(spec: ModelSpec) -> Iterator[tuple[str, str, tuple[in
     ``nn.Linear`` weights ``(out_features, in_features)``, the embedding ``(vocab_size,
     d_model)``, norm gains and biases 1-D (what a Hugging Face directory's tensors are
     checked against at submit, services/hf_config.py)."""
-    V, D, F = spec.vocab_size, spec.d_model, mlp_hidden_width(spec)
-    KV = spec.kv_heads * spec.head_dim  # the k and v projections' width
+    V, D = spec.vocab_size, spec.d_model
     yield "tok_emb.weight", "tok_emb.weight", (V, D)
-    mlp = (("gate", (F, D)),) if spec.mlp == "swiglu" else ()
+    block = tuple(block_parameter_shapes(spec))
     for i in range(spec.n_layers):
-        b = f"blocks.{i}."
-        yield b + "attn_norm.weight", b + "attn_norm.weight", (D,)
-        for proj, width in (("q", D), ("k", KV), ("v", KV)):  # (nn.Linear: weight, then bias)
-            yield b + f"attn.{proj}.weight", b + f"attn.{proj}.weight", (width, D)
-            if spec.qkv_bias:
-                yield b + f"attn.{proj}.bias", b + f"attn.{proj}.bias", (width,)
-        yield b + "attn.proj.weight", b + "attn.proj.weight", (D, D)
-        yield b + "mlp_norm.weight", b + "mlp_norm.weight", (D,)
-        for lin, shape in (*mlp, ("up", (F, D)), ("down", (D, F))):
-            yield b + f"mlp.{lin}.weight", b + f"mlp.{lin}.weight", shape
+        for name, shape in block:
+            yield f"blocks.{i}.{name}", f"blocks.{i}.{name}", shape
     yield "norm.weight", "norm.weight", (D,)
     yield "lm_head.weight", "tok_emb.weight" if spec.tie_embeddings else "lm_head.weight", (V, D)
+
+
+def block_parameter_shapes(spec: ModelSpec) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """``(name within the block, shape)`` of one block's parameters, in the order
+    :func:`model_parameter_shapes` lists them (every block is alike: what lets a spec's
+    arithmetic, the memory estimate's, take O(1) in ``n_layers``)."""
+    D, F = spec.d_model, mlp_hidden_width(spec)
+    KV = spec.kv_heads * spec.head_dim  # the k and v projections' width
+    mlp = (("gate", (F, D)),) if spec.mlp == "swiglu" else ()
+    yield "attn_norm.weight", (D,)
+    for proj, width in (("q", D), ("k", KV), ("v", KV)):  # (nn.Linear: weight, then bias)
+        yield f"attn.{proj}.weight", (width, D)
+        if spec.qkv_bias:
+            yield f"attn.{proj}.bias", (width,)
+    yield "attn.proj.weight", (D, D)
+    yield "mlp_norm.weight", (D,)
+    for lin, shape in (*mlp, ("up", (F, D)), ("down", (D, F))):
+        yield f"mlp.{lin}.weight", shape
 
 
 def frozen_parameters(patterns: Sequence[str], named: Iterable[tuple[str, Hashable]]) -> set[Hashable]:

@@ -71,11 +71,11 @@ import grpc
 import structlog
 import torch
 
-from services.common import fencing, grpc_waits, paths, thread_names
+from services.common import fencing, grpc_waits, paths, stack_dump, thread_names
 from services.common.beat_grid import phase_from, seconds_to_next_beat
 from services.common.cpu_list import CPU_AFFINITY_ENV, parse_cpu_list
 from services.common.device_peaks import device_peak
-from services.common.grpc_server import channel
+from services.common.grpc_server import SMALL_MESSAGES, channel
 from services.common.logs import configure
 from services.common.phase import COLLECTIVE, IDLE, PhaseMarker, profile_export_budget_s
 from services.common.process_exit import MEMORY_ERROR_EXIT_CODE, exit_now, last_words
@@ -373,7 +373,8 @@ class Session:
         self._phase = phase or PhaseMarker()
         self.process = f"rank {rank} of job {job_id}"
         self._out = session_batches.Outgoing()  # (a step's events do not wake its sender while it rides)
-        self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # the rank, for its modules
+        # the rank, for its modules; what comes down is commands and acks (SMALL_MESSAGES: grpc_server.py)
+        self._channel = channel(address, options=SMALL_MESSAGES, module=Module.L2_TRAINING_LOOP)
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
         self._terminal_sent = threading.Event()
         self._reader: threading.Thread | None = None
@@ -643,6 +644,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(2)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # exit promptly, even inside a collective
     thread_names.install()  # its side threads seen by name from outside (bench/stack_cost.py)
+    stack_dump.install()  # `kill -USR2 PID`: every thread's stack into its log (a hang's diagnosis)
     # Its stream readers wait without gRPC's 0.1 s poll (no handler of its needs the slice: grpc_waits.py).
     grpc_waits.install(grpc_waits.RANK_WAIT_SLICE_S)
     log = configure("rank", job=args.job, rank=args.rank)

@@ -143,12 +143,13 @@ class BackgroundCommit:
         except (Exception, CheckpointException) as e:  # the background write failed (disk full, a peer died)
             raise _write_failed(e, self._write_step) from None
 
-    def _commit_settled(self, bound_s: float) -> tuple[int, str] | None:
+    def _commit_settled(self, bound_s: float, breaker: bool = True) -> tuple[int, str] | None:
         """Wait for rank 0's background commit while the store answers, up to ``bound_s``
         (``store_liveness.py``: a store that is slow, not gone, is waited for). Returns
         (cause, reason) if it still waits for a store that stopped answering (TIMEOUT,
         UNREACHABLE) or for one that answered but not this commit within ``bound_s``
-        (TIMEOUT), else None.
+        (TIMEOUT), else None. ``breaker`` False: waited for even while the store is known
+        silent (``StoreLiveness.wait``: the run's end).
 
         Raises:
             CheckpointError: the commit was refused, or the write under it failed.
@@ -157,7 +158,7 @@ class BackgroundCommit:
         if commit is None:
             return None
         try:
-            self._liveness.wait(commit, bound_s, "the previous save's CommitSave")
+            self._liveness.wait(commit, bound_s, "the previous save's CommitSave", breaker)
         except StoreSilent as e:
             return e.cause, f"the previous save's commit is still waiting: {e}"
         try:

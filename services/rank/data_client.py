@@ -10,6 +10,10 @@ Each stream is read by a background thread: gRPC receive and decoding (little-en
 int32 bytes, row-major [B, T] -> int64 tensors) happen off the training step, and the loop
 finds the next batch already decoded. Read-ahead is bounded by the loop's inbox (a full
 inbox blocks this thread, which stops reading, which applies gRPC flow control upstream).
+The relay asks for up to ``BATCHES_PER_MESSAGE`` micro-batches per stream message
+(``OpenStream.batches_per_message``; the later ones ride in the first's ``MicroBatch.more``)
+and hands them to the loop one by one, in order, each as if it had come alone: one message
+per step per rank woke the channel's threads and this one per step (issue 28 item 3).
 
 One stream per split: ``OpenStream`` of a split whose stream is still open cancels that
 one (the loop reopens its train stream at another position after a group rebuilt in
@@ -59,7 +63,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -67,7 +71,7 @@ import numpy as np
 import structlog
 import torch
 
-from services.common.grpc_server import channel
+from services.common.grpc_server import SINGLE_THREADED_STREAM, channel
 from services.contract import Module, data_pb2, data_pb2_grpc
 from services.contract.bus import Emitter, Reply
 from services.contract.failures import ModuleFailed, failure_of
@@ -96,6 +100,10 @@ RECONNECT_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 )
+# The most micro-batches the relay asks the data service to put in one stream message (it
+# sends what it holds, up to this): a step's micro-batches (grad_accum) and the loop's
+# read-ahead (4) come in one message where they came in one each. 1: one per message.
+BATCHES_PER_MESSAGE = max(1, int(_env_seconds("SURGE_DATA_BATCHES_PER_MESSAGE", 4.0)))  # (a count: whole)
 log = structlog.get_logger()
 
 
@@ -123,7 +131,10 @@ class DataClient:
         self._versions = versions
         self._packer = packer
         # the loop's commands, relayed
-        self._channel = channel(address, options=RECONNECT_OPTIONS, module=Module.L2_TRAINING_LOOP)
+        # (its stream's reader takes the messages off gRPC itself: grpc_server.SINGLE_THREADED_STREAM)
+        self._channel = channel(
+            address, options=(*RECONNECT_OPTIONS, *SINGLE_THREADED_STREAM), module=Module.L2_TRAINING_LOOP
+        )
         self._stub = data_pb2_grpc.DataServiceStub(self._channel)
         self._calls: dict[str, grpc.Future] = {}  # split -> its open stream
         self._closing = False
@@ -165,6 +176,11 @@ class DataClient:
         batches arrive as MicroBatch events. Reply payload: the stream's token."""
         split = msg.split or "train"
         token = StreamToken(split)
+        if not msg.batches_per_message:  # (the loop's command is its own: the ask goes on a copy)
+            asked = data_pb2.OpenStream()
+            asked.CopyFrom(msg)
+            asked.batches_per_message = BATCHES_PER_MESSAGE
+            msg = asked
         call = self._stub.Stream(msg)  # no deadline: a training stream lives as long as the job
         with self._lock:
             previous, self._calls[split] = self._calls.get(split), call
@@ -198,7 +214,7 @@ class DataClient:
         since = 0.0  # time.monotonic() this stream's outage was told (0: none)
         while True:
             try:
-                for mb in call:
+                for mb in _each(call):
                     batch = Batch(split, _decode(mb.input_ids, mb), _decode(mb.labels, mb), token)
                     mb.ClearField("input_ids")  # the tensors travel as payload; don't copy bytes
                     mb.ClearField("labels")
@@ -405,6 +421,19 @@ def _failure(e: BaseException, operation: str):
     service sent in its trailing metadata (its module's exception type), else its status
     code's (services/contract/failures.py); never read from the message text."""
     return failure_of(e, Module.L4_DATASET_VERSIONS, operation)
+
+
+def _each(call) -> Iterator[data_pb2.MicroBatch]:
+    """The stream's micro-batches, in order: each message's first, then those it carries in
+    ``more`` (taken off it: the loop gets each batch alone, as if it had come alone)."""
+    for message in call:
+        if not message.more:
+            yield message
+            continue
+        behind = list(message.more)
+        message.ClearField("more")  # (the batches keep their contents: they are detached, not cleared)
+        yield message
+        yield from behind
 
 
 def _decode(buf: bytes, mb: data_pb2.MicroBatch) -> torch.Tensor:

@@ -215,6 +215,11 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
         self._failed_commit = None  # a new save supersedes a commit that never reached the store
         self._liveness.set_world_size(dist.get_world_size() if dist.is_initialized() else 1)  # (all ask at once)
         failure = self._previous_settled(msg.job_id, "surge.v1.SaveCheckpoint", self._wait_bound_s)
+        # A new save (the previous one settled, its refusal reported): its refusal is reported
+        # even where it is of the same step, a drain's save in place of a paused step whose
+        # pause's save was refused (boundary.py ``_save_while_paused``; was: taken for that
+        # save's other side and never reported, so L1-1 took the drain for saved: F1).
+        self._refused_step = -1
         cause = self._agree(failure[0] if failure else 0)  # every rank's previous save settled
         attempt = self._generation()  # collective at the first save, so on every rank
         if not msg.attempt:
@@ -324,7 +329,8 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
         """
         self._leave_old_world(msg.job_id, None)
         deadline, backoff = time.monotonic() + FLUSH_RETRY_S, 0.5
-        pending = self._previous_settled(msg.job_id, "surge.v1.FlushCheckpoint", FLUSH_RETRY_S)
+        # (no breaker: the run's end has no next interval; the store gets its window once more)
+        pending = self._previous_settled(msg.job_id, "surge.v1.FlushCheckpoint", FLUSH_RETRY_S, breaker=False)
         if pending is not None:  # the store never answered the last commit: reported, not a fault
             cause, reason = pending
             self._report(
@@ -355,9 +361,11 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
                 return
             failed = self._failed_commit
 
-    def _previous_settled(self, job_id: str, handled: str, bound_s: float) -> tuple[int, str] | None:
-        """Settle the previous save: this rank's write, then rank 0's commit (``bound_s``:
-        ``_commit_settled``'s wait). A write or commit a destination refused is reported
+    def _previous_settled(
+        self, job_id: str, handled: str, bound_s: float, breaker: bool = True
+    ) -> tuple[int, str] | None:
+        """Settle the previous save: this rank's write, then rank 0's commit (``bound_s``,
+        ``breaker``: ``_commit_settled``'s wait). A write or commit a destination refused is reported
         (``_refused``) and settled: the save is lost, the loop goes on and L1-1 decides.
         Returns ``_commit_settled``'s (cause, reason) of a commit still waiting, else None.
 
@@ -369,7 +377,7 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
         except CheckpointWriteRefused as e:
             self._refused(e, job_id, self._rank, handled)
         try:
-            return self._commit_settled(bound_s)
+            return self._commit_settled(bound_s, breaker)
         except CheckpointWriteRefused as e:
             self._refused(e, job_id, self._rank, handled)
             return None
@@ -473,6 +481,7 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
         """Stop the background writer and close the channels."""
         self._writer.shutdown(wait=False, cancel_futures=True)
         self._connecting.cancel()
+        self._liveness.close()
         self._channel.close()
         if self._data_channel is not None:
             self._data_channel.close()

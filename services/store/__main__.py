@@ -48,10 +48,10 @@ from pathlib import Path
 
 from prometheus_client import REGISTRY
 
-from services.common import grpc_waits, logs, paths, thread_names
+from services.common import grpc_waits, logs, paths, stack_dump, thread_names
 from services.common.access import TOKENS_FILE_ENV, reload_tokens, tokens_of_flag
 from services.common.deadlines import Deadlines
-from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
+from services.common.grpc_server import SMALL_AND_BULK, AioServiceServer, PortInUse, serve_metrics
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port, seconds
 from services.contract import Module, audit_pb2_grpc, engine_pb2, route_pb2, store_pb2, store_pb2_grpc
 from services.contract.audit import AuditServicer, ViolationReporter
@@ -239,6 +239,7 @@ class ScrubSchedule:
 def main(argv: list[str] | None = None) -> int:
     env = os.environ.get
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
+    stack_dump.install()  # `kill -USR2 PID`: every thread's stack into its log (a hang's diagnosis)
     grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     p = ServiceArgumentParser(prog="python -m services.store", description=__doc__.split("\n")[0])
     env_option(p, "--host", "SURGE_STORE_HOST", listen_host, "127.0.0.1", "address to listen on")
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             executor_threads=CONTROL_THREADS,
             identities=identities,
             authenticate_every_call=True,
+            options=SMALL_AND_BULK,  # (the nodes' metric batches, a second apart, draw no BDP ping)
         )
         http = serve_metrics("store", args.host, args.metrics_port)
     except PortInUse as e:  # one line, as control, data and the node agent

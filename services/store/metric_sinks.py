@@ -265,6 +265,23 @@ class Sinks:
         self._on_failure(store_pb2.LogWriteFailed(path=str(path), reason=f"{what}: {one_line(error)}", failure=failure))
 
 
+def wanted(msg: store_pb2.LogCollectionConfig) -> bool:
+    """Whether a job's sink choice names any sink (its records then go to the sink thread)."""
+    return bool(msg.tensorboard or msg.wandb_project)
+
+
+def kept_wanted(metrics_dir: Path, job: str) -> bool:
+    """Whether the job's kept choice (``sinks.json``, from before a store restart) names any
+    sink; True when it cannot be read (the sink thread reports that, on the job's record)."""
+    try:
+        config = json.loads((metrics_dir / job / CONFIG_FILE).read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return bool(config.get("tensorboard") or config.get("wandb_project")) if isinstance(config, dict) else True
+
+
 def _config_of(msg: store_pb2.LogCollectionConfig) -> dict[str, Any]:
     return {"tensorboard": msg.tensorboard, "wandb_project": msg.wandb_project, "wandb_mode": msg.wandb_mode}
 

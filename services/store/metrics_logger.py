@@ -2,7 +2,8 @@
 
 Ranks push one ``StepCompleted`` per step and an ``EvalCompleted`` per evaluation; this
 module writes each one, unchanged, as one JSON line to ``<root>/metrics/<job_id>.jsonl``
-and sets the matching Prometheus series (labels ``job`` and ``rank``). It never polls
+and exports it to Prometheus (labels ``job`` and ``rank``; the last record of each, read at scrape
+time: metric_series.py). It never polls
 anyone, never smooths or corrects a value, never judges convergence and never triggers
 anything: the acknowledgement (``MetricsAck``) is its only output.
 
@@ -32,10 +33,14 @@ recent lines are read back from the end of the job's file (its last ``RECENT_TAI
 Prometheus (names per the Prometheus conventions: base units, ``_total`` for counters):
 ``surge_train_loss``, ``surge_learning_rate``, ``surge_grad_norm``,
 ``surge_tokens_per_second``, ``surge_step_seconds`` (last step),
+``surge_job_tokens_per_second{job}`` (the job's one throughput series, from rank 0's record: each
+rank's ``surge_tokens_per_second`` holds the same all-rank figure, so a sum over ranks counts it
+world-size times; chart and alert on this one),
 ``surge_step_phase_seconds{phase}`` (data_wait, forward, backward, reduction, optimizer),
 ``surge_loss_scale``, ``surge_train_step``, ``surge_train_epoch``, ``surge_eval_loss``,
 ``surge_eval_seconds`` (gauges of the last record); ``surge_train_steps_total``,
-``surge_train_tokens_total`` (each rank reports the all-rank count, as sent),
+``surge_train_tokens_total{job}`` (the job's tokens once, from rank 0's records: each rank
+reports its step's all-rank count, so a counter per rank counted them world-size times),
 ``surge_skipped_steps_total``, ``surge_eval_runs_total`` (counters).
 
 A rank's series end with it: its loop's last message on its metric stream is
@@ -49,7 +54,9 @@ a lost node) sends no ``StopLogCollection``: L1-1's ``RetireMetricSeries`` retir
 series of the job after the same linger: after a relaunch of its ranks each is kept by a record
 of its rank before then (the new generation's ranks); after the job's end (``ended``) every one
 goes, whatever came meanwhile (a rank being killed may send a step or two after control's
-decision: seen on a real stack, its series then stayed).
+decision: seen on a real stack, its series then stayed). A job that left RUNNING for the queue
+(``queued``: preempted, moved, its ranks killed) is retired the same way: a queued job's last
+tokens/s must not stay exported as if it trained; its series come back with its next record.
 
 Sinks (``metric_sinks.py``): a job's ``LogCollectionConfig`` (its spec's ``metrics:``, pushed by
 its ranks) turns on TensorBoard event files and an offline W&B run; every record written
@@ -73,16 +80,14 @@ from pathlib import Path
 from typing import IO, Any
 
 import structlog
-from google.protobuf import json_format
 from google.protobuf.message import Message
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from services.contract import engine_pb2, store_pb2
-from services.store import metric_files
+from services.store import metric_files, metric_lines, metric_series, metric_sinks
 from services.store.metric_sinks import SINK_RANK, Sinks
 from services.store.profile_files import ProfileFiles
 
-PHASES = ("data_wait", "forward", "backward", "reduction", "optimizer")
 # Per job: lines remembered to recognise a resent record. Only records that were sent but
 # not acknowledged when a stream broke can come twice: at most what one stream had in flight
 # (gRPC's flow-control window), far fewer than this.
@@ -91,37 +96,6 @@ RECENT_TAIL_BYTES = 16 << 20  # read back from a job's file after a restart
 SERIES_LINGER_S = 300.0  # a rank's series stay this long after its loop ended (scrapers read the last values)
 _log = structlog.get_logger("metrics_logger")
 _JOB_ID = metric_files.JOB_ID
-
-
-class _Series:
-    """The labelled children of one (job, rank), resolved once: the hot path then only sets
-    values (a ``labels()`` lookup takes a lock and hashes the label tuple every time)."""
-
-    def __init__(self, m: dict[str, Any], job: str, rank: str):
-        self.loss = m["loss"].labels(job, rank)
-        self.lr = m["lr"].labels(job, rank)
-        self.grad_norm = m["grad_norm"].labels(job, rank)
-        self.tps = m["tps"].labels(job, rank)
-        self.step_seconds = m["step_seconds"].labels(job, rank)
-        self.phases = [m["phase"].labels(job, rank, p) for p in PHASES]
-        self.loss_scale = m["loss_scale"].labels(job, rank)
-        self.step = m["step"].labels(job, rank)
-        self.epoch = m["epoch"].labels(job, rank)
-        self.steps = m["steps"].labels(job, rank)
-        self.tokens = m["tokens"].labels(job, rank)
-        self.skipped = m["skipped"].labels(job, rank)
-        self.mfu = m["mfu"].labels(job, rank)
-        self.flops_per_token = m["flops_per_token"].labels(job, rank)
-        self._m, self._labels = m, (job, rank)
-        self._evaluations: tuple[Any, Any, Any] | None = None
-
-    def evaluations(self) -> tuple[Any, Any, Any]:
-        """(eval loss, eval seconds, evaluations) children, made at the rank's first evaluation:
-        a job that never evaluates exports no ``surge_eval_loss`` of 0 (a last held-out loss of
-        0 nats reads as a perfect model on a dashboard)."""
-        if self._evaluations is None:
-            self._evaluations = tuple(self._m[k].labels(*self._labels) for k in ("eval_loss", "eval_seconds", "evals"))
-        return self._evaluations
 
 
 class MetricsLogger:
@@ -161,15 +135,16 @@ class MetricsLogger:
         self._sizes: dict[str, int] = {}  # job -> bytes in its file being written
         self._bound = bound or metric_files.bound_from_env()
         self._recent: dict[str, _Recent] = {}
-        self._series: dict[tuple[str, int], _Series] = {}
         # (job, rank) -> the token of its removal in waiting (its loop ended); a record since: gone
         self._ending: dict[tuple[str, int], object] = {}
         self._later, self._linger_s = later, linger_s
-        self._metrics = _define(registry if registry is not None else CollectorRegistry())
+        self._last = metric_series.LastRecords()
+        (registry if registry is not None else CollectorRegistry()).register(self._last)
         self._emit = emit
         self._defer = defer or _now
         self._failed: dict[str, list[store_pb2.LogWriteFailed]] = {}  # job -> not yet published
         self._sinks = Sinks(self._dir, on_failure=self._sink_failed)
+        self._sinking: dict[str, bool] = {}  # job -> its sink choice names a sink (else no hop to them)
         self._profiles = profiles or ProfileFiles(root)
 
     # ------------------------------------------------------------------ commands
@@ -183,6 +158,7 @@ class MetricsLogger:
         """
         if not _JOB_ID.match(msg.job_id):
             raise ValueError(f'metrics: job_id "{msg.job_id}": must match {_JOB_ID.pattern}')
+        self._sinking[msg.job_id] = metric_sinks.wanted(msg)
         self._defer(self._sinks.configure, msg)
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=0)
@@ -199,11 +175,17 @@ class MetricsLogger:
         """L1-1 ended the job (``ended``) or replaced its ranks: every rank's series of the job
         (those this process holds) are removed after the linger; after a relaunch each unless
         its rank records first."""
-        with self._lock:
-            ranks = sorted(rank for job, rank in self._series if job == msg.job_id)
+        ranks = self._last.ranks_of(msg.job_id)
         for rank in ranks:
-            self._end_series(msg.job_id, rank, whatever_came=msg.ended)
-        _log.info("metric_series_retired", job=msg.job_id, ranks=len(ranks), reason=msg.reason, ended=msg.ended)
+            self._end_series(msg.job_id, rank, whatever_came=msg.ended or msg.queued)
+        _log.info(
+            "metric_series_retired",
+            job=msg.job_id,
+            ranks=len(ranks),
+            reason=msg.reason,
+            ended=msg.ended,
+            queued=msg.queued,
+        )
         return store_pb2.MetricsAck(records=0)
 
     def store_profile(self, msg: store_pb2.StoreProfile, payload: Mapping[str, str]) -> store_pb2.ProfileStored:
@@ -221,33 +203,9 @@ class MetricsLogger:
         """
         if not self._persist("step", msg):
             return store_pb2.MetricsAck(records=0)  # a resend of a record already written
-        s = self._series_of(msg.job_id, msg.rank)
-        s.loss.set(msg.loss)
-        s.lr.set(msg.learning_rate)
-        s.grad_norm.set(msg.grad_norm)
-        s.tps.set(msg.tokens_per_second)
-        s.step_seconds.set(msg.step_seconds)
-        for child, seconds in zip(
-            s.phases,
-            (
-                msg.data_wait_seconds,
-                msg.forward_seconds,
-                msg.backward_seconds,
-                msg.reduction_seconds,
-                msg.optimizer_seconds,
-            ),
-        ):
-            child.set(seconds)
-        s.loss_scale.set(msg.loss_scale)
-        s.mfu.set(msg.mfu)
-        s.flops_per_token.set(msg.flops_per_token)
-        s.step.set(msg.step)
-        s.epoch.set(msg.epoch)
-        s.steps.inc()
-        s.tokens.inc(msg.tokens)
-        if msg.skipped:
-            s.skipped.inc()
-        if msg.rank == SINK_RANK:  # (the sinks take no other rank's: no hop to their thread for it)
+        self._kept(msg.job_id, msg.rank)
+        self._last.step(msg)  # (the series are read from it at scrape time: metric_series.py)
+        if msg.rank == SINK_RANK and self._sinks_wanted(msg.job_id):  # (no hop to their thread for nothing)
             self._defer(self._sinks.record, "step", msg)
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)
@@ -261,11 +219,9 @@ class MetricsLogger:
         """
         if not self._persist("eval", msg):
             return store_pb2.MetricsAck(records=0)
-        loss, seconds, runs = self._series_of(msg.job_id, msg.rank).evaluations()
-        loss.set(msg.loss)
-        seconds.set(msg.seconds)
-        runs.inc()
-        if msg.rank == SINK_RANK:  # (the sinks take no other rank's: no hop to their thread for it)
+        self._kept(msg.job_id, msg.rank)
+        self._last.eval(msg)
+        if msg.rank == SINK_RANK and self._sinks_wanted(msg.job_id):  # (no hop to their thread for nothing)
             self._defer(self._sinks.record, "eval", msg)
         self._publish_failures(msg.job_id)
         return store_pb2.MetricsAck(records=1)
@@ -311,12 +267,7 @@ class MetricsLogger:
 
     def _persist(self, kind: str, msg: Message) -> bool:
         """Write the record's line unless the job's recent lines hold it; True if written."""
-        fields = json_format.MessageToDict(
-            msg,
-            preserving_proto_field_name=True,
-            always_print_fields_with_no_presence=True,
-            unquote_int64_if_possible=True,
-        )
+        fields = metric_lines.to_dict(msg)  # (MessageToDict's, without its walk: metric_lines.py)
         line = json.dumps({"type": kind, **fields}, separators=(",", ":")) + "\n"
         job = msg.job_id
         key = hashlib.blake2b(line.encode(), digest_size=16).digest()
@@ -386,22 +337,23 @@ class MetricsLogger:
                 del self._ending[(job, rank)]
             elif not whatever_came:
                 return  # a record came since (a resume), or a later end has its own removal
-            self._series.pop((job, rank), None)
-        for key, metric in self._metrics.items():
-            for labels in [(job, str(rank), p) for p in PHASES] if key == "phase" else [(job, str(rank))]:
-                try:
-                    metric.remove(*labels)
-                except KeyError:  # never set (an eval series of a job without evaluations)
-                    pass
+            self._last.remove(job, rank)
         _log.info("metric_series_removed", job=job, rank=rank)
 
-    def _series_of(self, job: str, rank: int) -> _Series:
+    def _sinks_wanted(self, job: str) -> bool:
+        """Whether the job's records go to the sink thread: its sinks were chosen (pushed, or
+        kept from before a restart). A job without any: a wake-up of that thread per rank-0
+        record saved (the sinks would write nothing; a job's first push comes before its
+        first record, on the same stream)."""
+        wanted = self._sinking.get(job)
+        if wanted is None:
+            wanted = self._sinking[job] = metric_sinks.kept_wanted(self._dir, job)
+        return wanted
+
+    def _kept(self, job: str, rank: int) -> None:
+        """A record of the rank came: a removal in waiting for its series is void."""
         if self._ending:  # (read without the lock: a record after its rank's end keeps its series)
             self._ending.pop((job, rank), None)
-        s = self._series.get((job, rank))
-        if s is None:  # a benign race: two threads may build the same children; labels() is idempotent
-            s = self._series[(job, rank)] = _Series(self._metrics, job, str(rank))
-        return s
 
 
 class _Recent:
@@ -451,35 +403,3 @@ def _tail_lines(path: Path, limit: int) -> list[bytes]:
     if start > 0 and lines:
         lines = lines[1:]  # began mid-line
     return [x for x in lines if x.endswith(b"\n")][-RECENT_LINES:]
-
-
-def _define(reg: CollectorRegistry) -> dict[str, Any]:
-    jr = ["job", "rank"]
-
-    def gauge(name: str, doc: str, labels: list[str] = jr) -> Gauge:
-        return Gauge(name, doc, labels, registry=reg)
-
-    def counter(name: str, doc: str) -> Counter:
-        return Counter(name, doc, jr, registry=reg)
-
-    return {
-        "loss": gauge("surge_train_loss", "Training loss of the last step (nats per token)."),
-        "lr": gauge("surge_learning_rate", "Learning rate of the last step."),
-        "grad_norm": gauge("surge_grad_norm", "Global gradient L2 norm of the last step."),
-        "tps": gauge("surge_tokens_per_second", "Throughput of the last step, all ranks (tokens per second)."),
-        "step_seconds": gauge("surge_step_seconds", "Wall time of the last step (seconds)."),
-        "phase": gauge(
-            "surge_step_phase_seconds", "Wall time of one phase of the last step (seconds).", [*jr, "phase"]
-        ),
-        "loss_scale": gauge("surge_loss_scale", "Mixed-precision loss scale of the last step."),
-        "mfu": gauge("surge_mfu_ratio", "Model FLOPs utilisation estimate of the last step (0..1)."),
-        "flops_per_token": gauge("surge_model_flops_per_token", "Training FLOPs per token (6N + attention)."),
-        "step": gauge("surge_train_step", "Step number of the last record."),
-        "epoch": gauge("surge_train_epoch", "Data epoch of the last record."),
-        "steps": counter("surge_train_steps", "Step records received."),
-        "tokens": counter("surge_train_tokens", "Non-padding tokens as reported per step (all ranks)."),
-        "skipped": counter("surge_skipped_steps", "Steps reported as skipped (overflow)."),
-        "eval_loss": gauge("surge_eval_loss", "Held-out loss of the last evaluation (nats per token)."),
-        "eval_seconds": gauge("surge_eval_seconds", "Wall time of the last evaluation (seconds)."),
-        "evals": counter("surge_eval_runs", "Evaluation records received."),
-    }

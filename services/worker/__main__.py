@@ -1,7 +1,7 @@
 """Composition root of the node agent: ``python -m services.worker``.
 
     python -m services.worker --port P --control HOST:PORT [--host 127.0.0.1]
-        [--advertise HOST] [--worker-id ID] [--slots N] [--run-dir DIR]
+        [--advertise HOST] [--worker-id ID] [--slots N] [--host-share N] [--run-dir DIR]
         [--memory-check-seconds S] [--memory-pressure-fraction F] [--metrics-port M]
 
 Environment defaults: SURGE_WORKER_PORT, SURGE_CONTROL_ADDRESS, SURGE_WORKER_ID
@@ -10,6 +10,7 @@ else 1), SURGE_RANK_MODULE (module the rank processes run, default
 ``services.rank``), SURGE_WORKER_MEMORY_CHECK_SECONDS (default 2.0; 0 disables
 the memory sampler), SURGE_WORKER_MEMORY_PRESSURE_FRACTION (default 0.10),
 SURGE_WORKER_MEMINFO (file the host memory is read from, default /proc/meminfo),
+SURGE_WORKER_HOST_SHARE (agents sharing this host's RAM: each registers RAM / N; default 1),
 SURGE_WORKER_GPU_CHECK_SECONDS (default 5.0; 0 disables the GPU health sampler, which is off
 anyway without NVML: services/worker/gpu_health.py), SURGE_WORKER_GPU_MEMORY_PRESSURE_FRACTION
 (default 0.95 of a device's memory used),
@@ -45,9 +46,9 @@ import time
 import uuid
 from pathlib import Path
 
-from services.common import grpc_waits, logs, paths, thread_names
+from services.common import grpc_waits, logs, paths, stack_dump, thread_names
 from services.common.departure import DEFAULT_DEPARTURE_SECONDS, DEPARTURE_ENV
-from services.common.grpc_server import AUTH_TOKEN_ENV, PortInUse, ServiceServer, serve_metrics
+from services.common.grpc_server import AUTH_TOKEN_ENV, SMALL_AND_BULK, PortInUse, ServiceServer, serve_metrics
 from services.common.service_args import (
     ServiceArgumentParser,
     address,
@@ -115,6 +116,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="rank processes this node may run (env SURGE_WORKER_SLOTS; default: CUDA devices, else 1)",
     )
     p.add_argument(
+        "--host-share",
+        type=int,
+        default=env.get("SURGE_WORKER_HOST_SHARE", 1),
+        help="node agents sharing this host's RAM; each registers RAM / N as its memory "
+        "(env SURGE_WORKER_HOST_SHARE; default 1; `surgectl up --workers N` passes N)",
+    )
+    p.add_argument(
         "--run-dir", type=Path, default=None, help="rank logs go to <run-dir>/logs (default $SURGE_HOME/run)"
     )
     p.add_argument(
@@ -158,6 +166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--control (or SURGE_CONTROL_ADDRESS) is required")
     if args.slots is not None and args.slots < 1:
         p.error(f"--slots: must be >= 1, got {args.slots}")
+    if args.host_share < 1:
+        p.error(f"--host-share: must be >= 1, got {args.host_share}")
     if os.environ.get(FORKSERVER_ENV, "lazy") not in FORKSERVER_MODES:
         p.error(f"{FORKSERVER_ENV}: one of {', '.join(FORKSERVER_MODES)}, got {os.environ[FORKSERVER_ENV]!r}")
     if problem := memory_copies_env_problem() or rank_logs.env_problem():
@@ -180,13 +190,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {bad}", file=sys.stderr)
         return 2
     thread_names.install()  # its threads seen by name from outside (bench/stack_cost.py)
+    stack_dump.install()  # `kill -USR2 PID`: every thread's stack into its log (a hang's diagnosis)
     grpc_waits.install()  # its stream readers wait without gRPC's 0.1 s poll (grpc_waits.py)
     try:
         validate_table()  # the node agent relays the table's messages (it is EXT_HARDWARE)
     except ContractError as e:
         return refuse("worker", e)
     try:
-        server = ServiceServer("worker", args.host, args.port, max_workers=64)  # one thread per rank session
+        # one thread per rank session; no BDP probe per rank message (a fixed window instead: SMALL_AND_BULK)
+        server = ServiceServer("worker", args.host, args.port, max_workers=64, options=SMALL_AND_BULK)
         http = serve_metrics("worker", args.host, args.metrics_port)
     except PortInUse as e:
         print(f"error: {e}", file=sys.stderr)
@@ -199,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[GLOO_IFNAME] = ifname  # every rank and the fork server start with this environment
     cuda = detect_cuda_devices(os.environ.get(SYSFS_ENV) or DEFAULT_SYSFS)
     meminfo = os.environ.get(MEMINFO_ENV) or DEFAULT_MEMINFO
-    registration = hardware_report(worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda, meminfo)
+    registration = hardware_report(
+        worker_id, f"{advertise}:{port}", args.slots or len(cuda) or 1, cuda, meminfo, args.host_share
+    )
     # This process's event sequence (WorkerEvent.seq) is new: a restarted agent is a new
     # incarnation to control, which then expects seq 1 again.
     registration.incarnation = uuid.uuid4().hex
@@ -318,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
         control=args.control,
         address=registration.address,
         slots=registration.slots,
+        memory_bytes=registration.memory_bytes,  # the host's RAM / host_share: what its slots' quotas divide
+        host_share=args.host_share,
         memory_check_seconds=args.memory_check_seconds,
         devices=[f"{d.kind}:{d.index} {d.name}" for d in registration.devices],
     )

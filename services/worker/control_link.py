@@ -9,7 +9,9 @@ outbox of events waiting to go up it.
 * :class:`ControlSession`: keeps the stream open, registers first on every session,
   reconnects when it breaks (rank processes are not touched), and executes the commands
   that come down one by one, in order (so a ``release`` then ``launch`` of the same rank
-  is ordered).
+  is ordered). With control's ``LivenessGrant`` (the ``surge-liveness-bin`` header) the
+  agent's own beat goes as a UDP datagram (liveness_sender.py), and on the session too while
+  control says it hears none of them (``BeatOnSession``).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from typing import Any
 
 import grpc
 
-from services.common.grpc_server import channel
+from services.common.grpc_server import SMALL_MESSAGES, channel
+from services.common.liveness_progress import ProgressSplit, pack
 from services.contract import Module, control_pb2, control_pb2_grpc
+from services.worker.liveness_sender import LivenessSender, control_host
 
 # What every part of the agent that states a fact is given: queues one event for control.
 Emit = Callable[[control_pb2.WorkerEvent], None]
@@ -240,6 +244,9 @@ _UNREACHABLE = "unreachable"
 REGISTERED_HEADER = "surge-registered"
 LAST_SEQ_HEADER = "surge-last-seq"  # mirrors services/control/server.py LAST_SEQ_HEADER
 BATCHES_HEADER = "surge-batches"  # mirrors services/control/server.py BATCHES_HEADER
+# A serialized LivenessGrant: send the agent's own beat as datagrams (liveness_sender.py).
+# Mirrors services/control/liveness_datagrams.py LIVENESS_HEADER.
+LIVENESS_HEADER = "surge-liveness-bin"
 
 
 class ControlSession:
@@ -292,6 +299,11 @@ class ControlSession:
         self._lock = threading.Lock()
         self._call: Any = None
         self._ready: grpc.Future | None = None
+        # This session's liveness datagrams (control's grant); None: the beat goes on the session.
+        self._liveness: LivenessSender | None = None
+        self._on_session = False  # control hears no datagrams of it: beat on the session too
+        # Which ranks' beats may ride the datagrams (what control was told of each on this session)
+        self._split = ProgressSplit()
         self._thread = threading.Thread(target=self._run, name="control-session", daemon=True)
         self._beats = threading.Thread(target=self._beat, name="agent-heartbeat", daemon=True)
         self._channel = channel(  # TLS and the bearer token when SURGE_TLS_* / SURGE_AUTH_TOKEN are set
@@ -300,6 +312,7 @@ class ControlSession:
                 ("grpc.initial_reconnect_backoff_ms", 200),
                 ("grpc.min_reconnect_backoff_ms", 200),
                 ("grpc.max_reconnect_backoff_ms", int(max_backoff_seconds * 1000)),
+                *SMALL_MESSAGES,  # (what comes down is commands and acks, at a pace: grpc_server.py)
             ],
             module=Module.EXT_HARDWARE,  # the node agent speaks for its node (and relays its ranks)
         )
@@ -307,7 +320,7 @@ class ControlSession:
     def start(self) -> None:
         self._thread.start()
         if self._keeper is not None:
-            self._keeper.keep_agent_beat(self.BEAT_SECONDS, self._outbox.beat)
+            self._keeper.keep_agent_beat(self.BEAT_SECONDS, self._alone)
         else:
             self._beats.start()
 
@@ -333,11 +346,74 @@ class ControlSession:
     def _beat(self) -> None:
         """Every ``BEAT_SECONDS``, the agent's own beat (sent only while a session is open)."""
         while not self._stop.wait(self.BEAT_SECONDS):
-            self._outbox.beat(
+            self._alone(
                 control_pb2.WorkerEvent(
                     heartbeat=control_pb2.AgentHeartbeat(interval_seconds=self.BEAT_SECONDS, unix_time=time.time())
                 )
             )
+
+    def _alone(self, ev: control_pb2.WorkerEvent) -> None:
+        """The agent's own beat, not riding with its ranks': a datagram while control's grant
+        holds, else on the session (the outbox's beat slot)."""
+        sender = self._liveness
+        if sender is not None:
+            sender.send(ev.heartbeat.interval_seconds, ev.heartbeat.unix_time)
+        if sender is None or self._on_session:
+            self._outbox.beat(ev)
+
+    def _ride(self, job: str, beats: list) -> tuple[list, bool]:
+        """The keeper's flush (rank_beats.py): the beats of ``job`` that only move their ranks'
+        progress go in one datagram of the agent's beat (services/common/liveness_progress.py);
+        returns (the rest, for the session; whether a datagram went)."""
+        sender = self._liveness
+        if sender is None:
+            return beats, False
+        riding, left = self._split.split(job, beats)
+        if not riding:
+            return beats, False
+        packed, unfit = pack(job, riding)
+        sender.send(self.BEAT_SECONDS, time.time(), packed)
+        if self._on_session:
+            # Control hears none of its datagrams: every beat on the session too. The datagram
+            # still carries them: a session whose writes lag (a starved agent) would otherwise
+            # leave its ranks unheard while control hears the agent (hb37's restart bench).
+            return beats, True
+        return left + unfit, True
+
+    def _datagrams(self, grant: bytes | None) -> None:
+        """Beat as datagrams with ``grant`` (a serialized LivenessGrant), or on the session
+        (None). The keeper's beat stops riding with the ranks' while datagrams go: control
+        expects one each period."""
+        sender = None
+        if grant:
+            parsed = control_pb2.LivenessGrant.FromString(grant)
+            try:
+                sender = LivenessSender(parsed, control_host(self._address))
+            except OSError as e:
+                self._log.warning("liveness datagrams off: control's host", control=self._address, error=str(e))
+        with self._lock:
+            old, self._liveness = self._liveness, sender
+            self._on_session = False
+            self._split = ProgressSplit()  # (a new session: each rank's first beat on it)
+        if old is not None:
+            old.close()
+        if self._keeper is not None:
+            self._keeper.keep_agent_beat(
+                self.BEAT_SECONDS, self._alone, ride=sender is None, progress=self._ride if sender else None
+            )
+
+    def _beat_on_session(self, cmd: control_pb2.BeatOnSession) -> None:
+        """Control hears none of this session's datagrams: beat on the session too (datagrams
+        still going, so control can tell when it hears them again); heard again: datagrams alone."""
+        self._on_session = not cmd.datagrams_heard
+        if self._on_session:
+            self._log.warning(
+                "control hears no liveness datagrams; beating on the session",
+                control=self._address,
+                unheard_seconds=round(cmd.unheard_seconds, 1),
+            )
+        else:
+            self._log.info("control hears the liveness datagrams again; beating as datagrams", control=self._address)
 
     def _run(self) -> None:
         attempts, last_log, delay = 0, -math.inf, 0.2
@@ -390,6 +466,7 @@ class ControlSession:
             header = dict(self._call.initial_metadata() or ())
             applied = int(header[LAST_SEQ_HEADER]) if header.get(LAST_SEQ_HEADER, "").isdigit() else None
             pending, resent = self._outbox.resume(applied, batches=header.get(BATCHES_HEADER) == "1")
+            self._datagrams(header.get(LIVENESS_HEADER))
             self._open.set()
             if REGISTERED_HEADER in header:
                 self._log.info(
@@ -401,12 +478,16 @@ class ControlSession:
                     events_resent=resent,
                     events_resent_total=self._outbox.resent,
                     last_seq=self._outbox.last_seq(),
+                    liveness_datagrams=self._liveness is not None,
                 )
             else:
                 self._log.info("session open; no registration acknowledgement", control=self._address)
             for cmd in self._call:
                 if cmd.WhichOneof("command") == "ack":
                     self._outbox.ack(cmd.ack.seq)
+                    continue
+                if cmd.WhichOneof("command") == "beat_on_session":  # control's word on its datagrams
+                    self._beat_on_session(cmd.beat_on_session)
                     continue
                 self._run_command(cmd)
             return "stream closed by control"
@@ -415,6 +496,7 @@ class ControlSession:
             return f"{getattr(code, 'name', 'error')}: {e.details() if hasattr(e, 'details') else e}"
         finally:
             self._open.clear()
+            self._datagrams(None)  # (the grant was this session's)
             ended.set()
             self._outbox.pause()
             with self._lock:

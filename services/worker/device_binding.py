@@ -11,7 +11,8 @@ their NUMA node and local CPUs where it reports them) to what the rank process g
   CUDA context on GPU 0); NCCL still finds its peers' GPUs by bus id and uses P2P/NVLink
   between processes that cannot see each other's device (CUDA >= 10.1).
 * ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE`` as torchrun sets them: the rank's place among the
-  job's ranks on this node and their number (from ``rank_nodes``), for code that does
+  job's ranks on this node and their number (``local_rank``, ``local_world_size``, which
+  L1-2 sets; from an older L1-2, ``rank_nodes``), for code that does
   node-local work once. They are not a device ordinal here: the rank's device is set
   (``torch.cuda.set_device``) before any DeviceMesh, so torch's LOCAL_RANK fallback in
   DeviceMesh never applies.
@@ -92,8 +93,11 @@ def bind_rank(assignment: engine_pb2.RankAssignment, node_devices: Sequence[cont
 
 def _local_place(assignment: engine_pb2.RankAssignment) -> tuple[int, int]:
     """(LOCAL_RANK, LOCAL_WORLD_SIZE): the rank's index among the job's ranks on its node
-    and their number, from ``rank_nodes`` (index = rank); without it, one node."""
+    and their number, as L1-2 sends them (``local_world_size`` set), else from ``rank_nodes``
+    (index = rank: an older L1-2's launch sent the world's nodes); without either, one node."""
     nodes = list(assignment.rank_nodes)
+    if assignment.local_world_size and not nodes:
+        return assignment.local_rank, assignment.local_world_size
     if assignment.rank >= len(nodes):
         return assignment.rank, max(assignment.world_size, assignment.rank + 1)
     mine = nodes[assignment.rank]

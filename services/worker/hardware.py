@@ -205,6 +205,7 @@ def hardware_report(
     slots: int,
     cuda_devices: list[control_pb2.Device],
     meminfo: str = DEFAULT_MEMINFO,
+    host_share: int = 1,
 ) -> control_pb2.WorkerRegistration:
     """The registration this node sends first on every session.
 
@@ -215,13 +216,18 @@ def hardware_report(
         cuda_devices: from :func:`detect_cuda_devices`; empty means one "cpu" device
             (named after the CPU model, with the host's RAM as its memory).
         meminfo: where the host's RAM is read (the same file :class:`MemorySampler` reads).
+        host_share: node agents sharing this host's RAM (`surgectl up --workers N` starts N on
+            one host): each registers 1/N of it, so the allocator's quotas (memory / slots)
+            of the host's agents add up to the host, not N times it (fresh37 #7c).
 
     Raises:
-        ValueError: ``slots`` < 1.
+        ValueError: ``slots`` or ``host_share`` < 1.
     """
     if slots < 1:
         raise ValueError(f"worker: slots: must be >= 1, got {slots}")
-    memory = host_memory_bytes(meminfo)
+    if host_share < 1:
+        raise ValueError(f"worker: host_share: must be >= 1, got {host_share}")
+    memory = host_memory_bytes(meminfo) // host_share
     devices = list(cuda_devices) or [
         control_pb2.Device(kind="cpu", index=0, name=cpu_model_name(), memory_bytes=memory)
     ]

@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 
 import grpc
 
-from services.common.grpc_server import channel
+from services.common.grpc_server import SMALL_MESSAGES, channel
 from services.contract import Module, store_pb2, store_pb2_grpc
 from services.contract.relay import routed_from_rpc
 
@@ -85,6 +85,7 @@ RECONNECT_OPTIONS = (  # a store that comes back is found within 2 s (gRPC's def
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    *SMALL_MESSAGES,  # (what comes back is acks: grpc_server.py)
 )
 Ack = Callable[[store_pb2.MetricsAck], None]
 
@@ -116,6 +117,7 @@ class MetricStream:
         self._cond = threading.Condition()
         self._seq = 0
         self._urgent = 0  # records up to this seq go without lingering (a rank waits on one of them)
+        self._idle = True  # the stream's sender waits with nothing unsent (no linger to wait for)
         self.dropped = 0
         self._closing = threading.Event()
         self._sender = threading.Thread(target=self._run, name=f"metrics-{address}", daemon=True)
@@ -138,7 +140,13 @@ class MetricStream:
                 self.dropped += 1
                 if self.dropped == 1 or self.dropped % 1000 == 0:
                     self._log.warning("metrics_buffer_full", store=self._address, held=self._max, dropped=self.dropped)
-            self._cond.notify_all()
+            # A sender that waits for an unsent record's linger to end is not woken: this record
+            # lingers no shorter, so it changes nothing of that wait unless a batch is full or a
+            # rank waits on it. A rank's records come a beat's worth at a time
+            # (services/rank/session_batches.py): a wake-up each for nothing otherwise. (close,
+            # flush, an ack and the stream's end still notify.)
+            if self._idle or len(self._held) >= BATCH_RECORDS or self._urgent == self._seq:
+                self._cond.notify_all()
 
     def flush(self) -> None:
         """Send every record held now without lingering (a rank ended its loop: it waits
@@ -232,6 +240,7 @@ class MetricStream:
                             stop = min(len(self._held), start + BATCH_RECORDS)
                             batch = [held.record for held in itertools.islice(self._held, start, stop)]
                             break
+                    self._idle = wait is None
                     self._cond.wait(wait)
             sent = batch[-1].seq
             yield store_pb2.MetricBatch(records=batch)

@@ -285,9 +285,10 @@ class NodeAgent(RankLauncher):
         launch waits for it to end (its grace period at most); otherwise the launch of
         that rank is refused and logged. A process that cannot be spawned is reported as
         ``RankExited`` with exit code 127. The job's peer for the in-memory checkpoint
-        copies (``memory_peer``) is noted first. Each assignment's ``rank_nodes`` is filled
-        from the launch's ``node_runs`` (the world's node list, sent once per launch:
-        services/common/rank_nodes.py). A launch with no ranks only restates the job's link
+        copies (``memory_peer``) is noted first. A current L1-2 sends no node list (each rank
+        learns the world's nodes at its rendezvous: services/engine/node_map.py); an older one's
+        ``node_runs`` fill each assignment's ``rank_nodes`` (services/common/rank_nodes.py), as
+        that rank expects. A launch with no ranks only restates the job's link
         probe peers (a rebuild in place changed its layout: the memory peer stays).
         """
         if self._memory is not None and msg.ranks:
@@ -296,7 +297,7 @@ class NodeAgent(RankLauncher):
             self._links.set_peers(msg.job_id, msg.link_probe)
         for assignment in msg.ranks:  # the newest incarnation: an older one's calls are refused here
             FENCE.tell(msg.job_id, assignment.rank, assignment.generation)
-        rank_nodes = expand(msg.node_runs)  # (sent once per launch: each rank gets the whole list)
+        rank_nodes = expand(msg.node_runs)  # (legacy: an older L1-2's; empty from a current one)
         for assignment in msg.ranks:
             if rank_nodes and not assignment.rank_nodes:
                 assignment.rank_nodes.extend(rank_nodes)
@@ -531,7 +532,8 @@ class NodeAgent(RankLauncher):
 
     def running(self) -> list[control_pb2.LaunchRanks]:
         """The rank processes alive here and not released, one LaunchRanks per job (its
-        job config and assignments as launched, the world's node list in ``node_runs``):
+        job config and assignments as launched; the world's node list in ``node_runs`` only
+        where an older L1-2 sent one):
         declared in every registration, so a restarted control re-attaches them."""
         out: dict[str, control_pb2.LaunchRanks] = {}
         with self._lock:

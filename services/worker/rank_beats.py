@@ -83,18 +83,33 @@ class RankBeats:
         self._agent_period = 0.0
         self._agent_alone: Callable[[control_pb2.WorkerEvent], None] | None = None
         self._agent_last = 0.0
+        self._ride = True  # it rides with the ranks' beats (keep_agent_beat)
+        # The liveness datagram's hook (keep_agent_beat's ``progress``): takes a job's beats that
+        # may ride a datagram, sends one (the agent's beat too) and returns those for the session.
+        self._progress: Callable[[str, list], tuple[list, bool]] | None = None
         self._flushed = -float("inf")  # when (monotonic) the last RankBeats went
         self.agent_riding = 0  # agent beats sent inside a RankBeats
         self.agent_alone = 0  # agent beats sent on their own
 
-    def keep_agent_beat(self, period: float, alone: Callable[[control_pb2.WorkerEvent], None]) -> None:
+    def keep_agent_beat(
+        self,
+        period: float,
+        alone: Callable[[control_pb2.WorkerEvent], None],
+        ride: bool = True,
+        progress: Callable[[str, list], tuple[list, bool]] | None = None,
+    ) -> None:
         """From now on the agent's own beat, every ``period`` seconds, goes with a flush of
         its ranks' beats (``RankBeats.agent``) at least ``RIDE_AFTER`` of a period after the
         last, else alone through ``alone`` (the outbox's unsequenced beat slot) a period after
         the last (``1 + GRACE`` where ranks beat here). The first rides with the first flush,
-        or goes alone at once."""
+        or goes alone at once. ``ride`` False: every beat goes through ``alone``, a period
+        apart (a liveness datagram: control expects one each period, liveness_sender.py).
+        ``progress`` (datagrams): at each flush, ``progress(job, beats)`` sends the beats that
+        only move their ranks' progress in a datagram of the agent's and returns (the rest, for
+        the session; whether a datagram went: then it was the agent's beat of the period)."""
         with self._lock:
-            self._agent_period, self._agent_alone = period, alone
+            self._agent_period, self._agent_alone, self._ride = period, alone, ride
+            self._progress = progress
             self._agent_last = time.monotonic() - period
             self._start_clock()
             self._lock.notify()
@@ -139,10 +154,18 @@ class RankBeats:
         pending = self._pending.pop(job, None)
         if pending is None or not pending.beats:
             return
-        beats = control_pb2.RankBeats(job_id=job)
-        beats.beats.extend(pending.beats[r] for r in sorted(pending.beats))
+        kept = [pending.beats[r] for r in sorted(pending.beats)]
         now = self._flushed = time.monotonic()
-        if self._agent_period and now - self._agent_last >= RIDE_AFTER * self._agent_period:
+        if self._progress is not None:  # (a datagram of the agent's carries those it can)
+            kept, sent = self._progress(job, kept)
+            if sent:
+                self._agent_last = now
+                self.agent_riding += 1
+            if not kept:
+                return
+        beats = control_pb2.RankBeats(job_id=job)
+        beats.beats.extend(kept)
+        if self._agent_period and self._ride and now - self._agent_last >= RIDE_AFTER * self._agent_period:
             beats.agent.CopyFrom(self._agent_beat(now))
             self.agent_riding += 1
         self.sent += 1
@@ -152,7 +175,7 @@ class RankBeats:
         """Under the lock: when the agent's beat goes alone if no flush carries it: a period
         after the last on an idle node, ``1 + GRACE`` where its ranks' beats flow (a flush
         within the period before the last, or since)."""
-        flowing = self._flushed >= self._agent_last - self._agent_period
+        flowing = self._ride and self._flushed >= self._agent_last - self._agent_period
         return self._agent_last + (1 + (GRACE if flowing else 0.0)) * self._agent_period
 
     def _agent_beat(self, now: float) -> control_pb2.AgentHeartbeat:

@@ -23,6 +23,7 @@ from services.contract import Module, control_pb2, engine_pb2
 from services.contract.relay import pack
 from services.worker.device_binding import CPU_AFFINITY_ENV, bind_rank
 from services.worker.exit_cause import ExitEvidence, OomCounter, classify
+from services.worker.launch_check import evaluation_command_missing, spawn_not_started
 from services.worker.rank_logs import RankLog
 from services.worker.rank_process import (
     END_OF_COMMANDS,
@@ -91,6 +92,11 @@ class RankLauncher:
         # it starts: a rise by its reap is the evidence of an OOM kill (exit_cause.py).
         oom = OomCounter.of_process()
         oom_at_launch = oom.read()
+        if why := evaluation_command_missing(init.spec_json, env):  # (found now, not after the load)
+            if rank_log is not None:
+                rank_log.close()
+            self._not_started(job_id, assignment, f"launch refused: {why}", control_pb2.EXIT_NOT_STARTED)
+            return
         spawned = threading.Event()  # set once the rank is recorded: its hello may come first
         with self._lock:
             self._spawning[key] = spawned
@@ -102,11 +108,10 @@ class RankLauncher:
             self._spawned(key, spawned)
             if rank_log is not None:
                 rank_log.close()
-            self._log.error("rank spawn failed", job_id=job_id, rank=assignment.rank, error=str(e))
-            failed = self._exited_event(job_id, assignment.rank, SPAWN_FAILED_EXIT_CODE, f"spawn failed: {e}")
-            failed.rank_exited.cause = control_pb2.EXIT_ERROR
-            failed.rank_exited.generation = assignment.generation  # (a launch's deaths count once: sick_nodes.py)
-            self._emit(failed)
+            # A missing or non-executable program is permanent; anything else (the host out of
+            # processes or memory, the log unwritable) a relaunch may cure: typed by errno.
+            cause = control_pb2.EXIT_NOT_STARTED if spawn_not_started(e) else control_pb2.EXIT_ERROR
+            self._not_started(job_id, assignment, f"spawn failed: {e}", cause)
             return
         r = RankProcess(
             job_id=job_id, rank=assignment.rank, init=init, assignment=assignment, proc=proc, log_path=log_path,
@@ -125,6 +130,16 @@ class RankLauncher:
             "rank launched", job_id=job_id, rank=r.rank, pid=proc.pid, device=assignment.device,
             sees=binding.device, cpus=binding.env.get(CPU_AFFINITY_ENV, ""), log=str(log_path),
         )  # fmt: skip
+
+    def _not_started(
+        self, job_id: str, assignment: engine_pb2.RankAssignment, detail: str, cause: control_pb2.ExitCause
+    ) -> None:
+        """The rank was not started: stated as its exit (code 127, ``cause``) for L1-3 to grade."""
+        self._log.error("rank not started", job_id=job_id, rank=assignment.rank, error=detail)
+        failed = self._exited_event(job_id, assignment.rank, SPAWN_FAILED_EXIT_CODE, detail)
+        failed.rank_exited.cause = cause
+        failed.rank_exited.generation = assignment.generation  # (a launch's deaths count once: sick_nodes.py)
+        self._emit(failed)
 
     def _log_spans(self, job_id: str) -> dict[int, list[tuple[int, int, int | None]]]:
         """rank -> the spans ``(inode, start, end)`` of its log files this agent's launches

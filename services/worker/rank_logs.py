@@ -380,7 +380,7 @@ class LogPump:
                     finishing = set(self._sinks)
             for fd in finishing:
                 self._drain(fd)
-            if finishing and self._closed:
+            if self._closed:  # (with no pipe left open too: else close() waited out its join)
                 return
 
     def _drain(self, fd: int) -> None:

@@ -303,3 +303,40 @@ def test_rank_sampler_splits_a_busy_process_wall_time_into_cpu_runqueue_and_slee
     assert 0.25 * wall_ms < w["main_cpu_ms"] + w["runqueue_ms"] < 0.75 * wall_ms
     assert w["other_threads_cpu_ms"] < 0.1 * wall_ms
     assert sampler.window(t1 + 100, t1 + 200, steps=2) is None  # no sample inside: no figure
+
+
+@pytest.mark.timeout(60)
+def test_the_benches_keep_their_state_under_the_operators_surge_home(tmp_path):
+    """bench-scale and bench-control wrote under the clone's .surge whatever SURGE_HOME said
+    (fresh37 #9); a bench's child, started with the bench's own home as SURGE_HOME, keeps the
+    same root (SURGE_BENCH_ROOT), not a home nested in it."""
+    import os
+
+    show = "from bench import common, scale; print(common.BENCH_HOME, common.DATA_ROOT, scale.HOME)"
+
+    def paths(**env) -> list[str]:
+        base = {k: v for k, v in os.environ.items() if k not in ("SURGE_HOME", "SURGE_BENCH_ROOT")}
+        out = subprocess.run(
+            [sys.executable, "-c", show], cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=50
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout.split()
+
+    home = tmp_path / "home"
+    expected = [str(home / "bench"), str(home / "datasets"), str(home / "bench-scale")]
+    assert paths(SURGE_HOME=str(home)) == expected
+    assert paths(SURGE_HOME=str(home / "bench"), SURGE_BENCH_ROOT=str(home)) == expected
+    dot = REPO / ".surge"
+    assert paths() == [str(dot / "bench"), str(dot / "datasets"), str(dot / "bench-scale")]
+
+
+def test_every_makefile_bench_target_is_in_the_readmes_list():
+    """The README's Benchmarks block left out four of the Makefile's bench targets (fresh37 #13)."""
+    import re
+
+    targets = set(re.findall(r"^(bench(?:-[a-z-]+)?):", (REPO / "Makefile").read_text(), re.M))
+    readme = (REPO / "README.md").read_text()
+    block = readme[readme.index("## Benchmarks") :]
+    block = block[: block.index("```", block.index("```") + 3)]
+    listed = set(re.findall(r"^(?:BENCH_QUICK=1 )?make (bench(?:-[a-z-]+)?)\s", block, re.M))
+    assert len(targets) > 10 and targets == listed, (targets - listed, listed - targets)

@@ -13,7 +13,7 @@ import pytest
 
 from services.cli import drain
 from services.cli.errors import CliError
-from services.contract import control_pb2, control_pb2_grpc
+from services.contract import control_pb2, control_pb2_grpc, route_pb2, store_pb2
 from services.contract.bus import Reply
 from services.control.orchestrator import IllegalTransition, InsufficientResources
 from services.control.server import ControlServicer
@@ -102,24 +102,68 @@ def test_a_job_that_faults_while_it_drains_is_not_waited_for(monkeypatch):
     assert control.paused == ["x"]
 
 
-def test_a_job_paused_beyond_its_newest_checkpoint_keeps_the_stack_running(monkeypatch):
-    # Its drain checkpoint could not be saved (the store away): stopping the stack would lose
-    # the steps since the newest checkpoint, so down refuses in one line.
+def _unsaved_drain_refusal(monkeypatch, failing=None) -> str:
+    """`down`'s refusal of job "run", paused at step 7 with its newest checkpoint at step 4 (its
+    drain checkpoint not saved; ``failing``: its JobStatus.save_failing)."""
+
     class Unsaved(FakeControl):
         def _now(self, job_id):
             status = super()._now(job_id)
             status.checkpoint_step, status.drained = 4, False
+            if failing is not None:
+                status.save_failing.CopyFrom(failing)
             return status
 
     control = Unsaved({"run": [JobState.PAUSED]})
     monkeypatch.setattr(drain.time, "sleep", lambda s: None)
     with pytest.raises(CliError) as e:
         drain.drain(control, [job("run", JobState.RUNNING)], timeout_s=5, say=lambda line: None)
-    message = str(e.value)
+    return str(e.value)
+
+
+def test_a_job_paused_beyond_its_newest_checkpoint_keeps_the_stack_running(monkeypatch):
+    # Its drain checkpoint could not be saved (the store away): stopping the stack would lose
+    # the steps since the newest checkpoint, so down refuses in one line.
+    message = _unsaved_drain_refusal(monkeypatch)
     assert "\n" not in message and message.startswith(
         "not drained: run (paused at step 7, newest checkpoint run:1 "
         "at step 4): its steps since that checkpoint would be lost"
     )
+
+
+@pytest.mark.parametrize(
+    "failing, why, again",
+    [
+        (  # the disk full: the store answered and refused the write
+            control_pb2.SaveFailing(
+                failed=2, step=7, cause=store_pb2.WRITE_REFUSED, write_error=route_pb2.WRITE_NO_SPACE, path="/s/ck"
+            ),
+            "; its save failed: the store answered but refused the write: no space at /s/ck",
+            "`surgectl down` again once you free space at /s/ck, or `--force` to lose them",
+        ),
+        (  # the store stopped
+            control_pb2.SaveFailing(failed=1, step=7, cause=store_pb2.UNREACHABLE),
+            "; its save failed: the store did not answer (unreachable)",
+            "`surgectl down` again once the store answers, or `--force` to lose them",
+        ),
+        (  # the store's timeout
+            control_pb2.SaveFailing(failed=1, step=7, cause=store_pb2.TIMEOUT),
+            "; its save failed: the store did not answer in time",
+            "`surgectl down` again once the store answers, or `--force` to lose them",
+        ),
+    ],
+)
+def test_a_refused_drain_says_why_its_save_failed_in_the_state_the_stack_is_in(monkeypatch, failing, why, again):
+    """The refusal names control's typed cause of the failed save: a store that answered and
+    refused the write (the disk full) is not "once the store answers" (was said of every
+    failure: a fresh SRE's trial, F1)."""
+
+    message = _unsaved_drain_refusal(monkeypatch, failing)
+    assert "\n" not in message and message.startswith(
+        f"not drained: run (paused at step 7, newest checkpoint run:1 at step 4{why}): its steps since that "
+        "checkpoint would be lost; the stack keeps running"
+    ), message
+    assert message.endswith(f"({again})"), message
 
 
 class ScriptedOrchestrator:

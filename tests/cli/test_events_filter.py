@@ -174,3 +174,17 @@ def test_an_empty_type_is_refused_not_read_as_every_type(values):
     with pytest.raises(CliError) as e:
         event_types(values)
     assert e.value.code == 2 and str(e.value).startswith("--type: empty")
+
+
+def test_timestamps_begin_each_line_with_the_events_utc_time(control, monkeypatch, capsys):
+    """`events` printed no times (the dashboard does; the CLI only in -o json): a new user's trial.
+    --timestamps / -T, as `kubectl logs --timestamps`."""
+    for n, ev in enumerate(control.history):
+        ev.unix_time = 1_796_000_000.25 + 60 * n  # 2026-11-30T00:53:20.250Z on
+    code, out, err = run_cli(["events", "j", "--tail", "2", "-T"], monkeypatch, capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert [line.split()[0] for line in lines] == ["2026-11-30T01:01:20.250Z", "2026-11-30T01:02:20.250Z"]
+    assert [int(line.split()[1]) for line in lines] == [9, 10]
+    code, out, err = run_cli(["events", "j", "--tail", "2"], monkeypatch, capsys)  # (without: as before)
+    assert code == 0 and printed(out) == [9, 10]

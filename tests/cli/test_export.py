@@ -148,7 +148,7 @@ def test_a_damaged_chunk_is_refused_naming_it_and_nothing_is_written(surge_home,
 
 def test_an_empty_out_is_refused_and_force_replaces_only_an_earlier_export(surge_home, tmp_path, monkeypatch, capsys):
     """`export --out "" --force` replaced the current directory (``Path("")`` is ``.``, and
-    --force replaced any non-empty folder); a missing parent folder was created whole."""
+    --force replaced any non-empty folder). Missing parent folders are created."""
     commit_version(surge_home, spec_of())
     work = tmp_path / "work"
     work.mkdir()
@@ -166,9 +166,19 @@ def test_an_empty_out_is_refused_and_force_replaces_only_an_earlier_export(surge
         assert_one_line(code, err, 2, "--out", "is the current directory or holds it")
     assert [p.name for p in work.iterdir()] == ["notes.txt"]
 
+    # Missing parent folders are created (the README's `--out exports/notes-hf`, as save_pretrained);
+    # a file in their way is refused, nothing created or read.
     code, _, err = export("--out", str(tmp_path / "nonexistent" / "a" / "b"))
-    assert_one_line(code, err, 2, "--out", "nonexistent", "does not exist")
-    assert not (tmp_path / "nonexistent").exists()
+    assert code == 0, err
+    assert sorted(p.name for p in (tmp_path / "nonexistent" / "a" / "b").iterdir()) == ["model.pt", "surge_spec.json"]
+    (work / "afile").write_text("x")
+    code, _, err = export("--out", "afile/sub/pt")
+    assert_one_line(code, err, 2, "--out", "afile is not a directory")
+    (work / "afile").unlink()
+    code, _, err = run_cli(
+        ["export", "src-1:99", "--format", "torch", "--out", str(tmp_path / "gone" / "pt")], monkeypatch, capsys
+    )
+    assert code == 2 and not (tmp_path / "gone").exists(), err  # (no such version: nothing created)
 
     code, _, err = export("--out", "pt")  # an earlier export is replaced with --force
     assert code == 0, err
@@ -260,3 +270,44 @@ def test_a_version_removed_while_it_is_exported_is_one_line_and_latest_is_read_a
     )
     assert code == 0, err
     assert len(read) == 2 and "exported src-1:4 (step 8)" in out, (read, out)
+
+
+def test_a_version_named_by_its_jobs_name_is_exported_and_a_shared_name_is_one_line_ambiguous(
+    surge_home, tmp_path, monkeypatch, capsys
+):
+    spec = spec_of()
+    commit_version(surge_home, spec, job="src-a1b2c3")
+    commit_version(surge_home, spec, job="srcx-d4e5f6")  # (a longer name that starts the same: not src's)
+    code, stdout, err = run_cli(
+        ["export", "src:1", "--format", "torch", "--out", str(tmp_path / "a")], monkeypatch, capsys
+    )
+    assert code == 0, err
+    assert stdout.startswith(f"exported src-a1b2c3:1 (step 4) as torch to {tmp_path / 'a'}")
+    commit_version(surge_home, spec, job="src-0f0f0f")
+    for argv in (
+        ["export", "src:latest", "--format", "torch", "--out", str(tmp_path / "b")],
+        ["generate", "--checkpoint", "src:1"],
+        ["eval", "src:1"],
+    ):
+        code, stdout, err = run_cli(argv, monkeypatch, capsys)
+        ambiguous = "job name 'src' is ambiguous: jobs src-0f0f0f, src-a1b2c3 have checkpoint versions; name one"
+        assert_one_line(code, err, 2, ambiguous)
+    assert not (tmp_path / "b").exists()
+    code, stdout, err = run_cli(
+        ["export", "src-0f0f0f:1", "--format", "torch", "--out", str(tmp_path / "c")], monkeypatch, capsys
+    )
+    assert code == 0, err  # (an id: as before)
+
+
+def test_a_name_whose_newest_live_run_has_no_versions_names_the_run_that_has(monkeypatch):
+    # fresh37b: a queued `joba` (no versions yet) hid the running one's: `joba:1` was "not found".
+    from services.cli import jobs
+
+    live = {"joba": "joba-0bb883", "joba-525d47": "joba-525d47", "solo": "solo-123abc"}
+    monkeypatch.setattr(jobs, "resolve_job", lambda ref: live[ref])
+    have = {"joba-525d47", "solo-123abc"}
+    assert jobs.resolve_versions_job("joba", ids=have) == "joba-525d47"
+    assert jobs.resolve_versions_job("joba-525d47", ids=have) == "joba-525d47"  # (an id: as typed)
+    assert jobs.resolve_versions_job("solo", ids=have) == "solo-123abc"  # (the live run has versions)
+    two = have | {"joba-777777"}  # (two other runs have: the live one stays, its lookup says why)
+    assert jobs.resolve_versions_job("joba", ids=two) == "joba-0bb883"

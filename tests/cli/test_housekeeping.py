@@ -13,7 +13,7 @@ import pytest
 
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
-from services.contract import control_pb2
+from services.contract import control_pb2, control_pb2_grpc, store_pb2, store_pb2_grpc
 
 TERMINATED, RUNNING = control_pb2.TERMINATED, control_pb2.RUNNING
 
@@ -281,3 +281,99 @@ def test_a_checkpoint_a_queued_job_starts_from_is_not_deleted(control_served, mo
     code, _, err = run_cli(["delete", "checkpoint", "src-1a2b:3"], monkeypatch, capsys)
     assert_one_line(code, err, 1, "store")
     assert "in use" not in err
+
+
+class _Catalog(store_pb2_grpc.StoreServiceServicer):
+    """The store's catalog as the CLI reads it (List, Delete), for fixed versions: a stand-in
+    served on loopback gRPC (the real store's catalog is tested in tests/store)."""
+
+    def __init__(self, versions: list[str]):
+        self.versions, self.deleted = list(versions), []
+
+    def List(self, request, context):  # noqa: N802 - the gRPC method's name
+        return store_pb2.CheckpointList(
+            checkpoints=[
+                store_pb2.CheckpointInfo(version=v, job_id=v.rpartition(":")[0], step=int(v.rpartition(":")[2]))
+                for v in self.versions
+                if not request.job_id or v.rpartition(":")[0] == request.job_id
+            ]
+        )
+
+    def Delete(self, request, context):  # noqa: N802
+        if request.version not in self.versions:
+            context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint {request.version}")
+        self.versions.remove(request.version)
+        self.deleted.append(request.version)
+        return store_pb2.CheckpointDeleted(version=request.version, bytes_freed=1000)
+
+
+@pytest.fixture
+def catalog_served(monkeypatch):
+    from concurrent import futures
+
+    catalog = _Catalog([])
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    store_pb2_grpc.add_StoreServiceServicer_to_server(catalog, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    monkeypatch.setenv("SURGE_STORE_ADDRESS", f"127.0.0.1:{port}")
+    try:
+        yield catalog
+    finally:
+        server.stop(grace=0)
+
+
+def _ended_job(control, name: str) -> str:
+    """A job of ``name`` submitted (queued: no worker) and stopped: TERMINATED."""
+    from tests.control.conftest import spec_yaml
+
+    job = control.SubmitJob(control_pb2.SubmitJobRequest(spec_yaml=spec_yaml(name=name, dp=1)), timeout=10).job_id
+    control.StopJob(control_pb2.StopJobRequest(job_id=job, queued_only=True), timeout=10)
+    return job
+
+
+def test_delete_jobs_hint_lists_its_versions_by_id_and_by_name(control_served, catalog_served, monkeypatch, capsys):
+    # (session 35's trial: the hint `surgectl checkpoints low-b-22af6c` said "no job" exit 2)
+    job = _ended_job(control_served, "lowb")
+    catalog_served.versions = [f"{job}:59", "other-abcdef:3"]
+    code, out, err = run_cli(["delete", "job", job], monkeypatch, capsys)
+    assert code == 0 and f"surgectl checkpoints {job}" in out, (out, err)
+    for ref in (job, "lowb"):  # its id as the hint says, or its name
+        code, out, err = run_cli(["checkpoints", ref, "-o", "json"], monkeypatch, capsys)
+        assert code == 0 and [c["version"] for c in json.loads(out)] == [f"{job}:59"], (ref, out, err)
+    code, _, err = run_cli(["checkpoints", "nosuch"], monkeypatch, capsys)
+    assert_one_line(code, err, 2, "no job 'nosuch'")
+
+
+def test_delete_checkpoint_takes_the_jobs_name_as_its_id(control_served, catalog_served, monkeypatch, capsys):
+    # (session 35's trial: `delete checkpoint wait-c:60` said "job wait-c has no checkpoint versions")
+    job = _ended_job(control_served, "waitc")
+    catalog_served.versions = [f"{job}:60"]
+    code, out, err = run_cli(["delete", "checkpoint", "waitc:60"], monkeypatch, capsys)
+    assert code == 0 and f"deleted checkpoint {job}:60" in out, (out, err)
+    assert catalog_served.deleted == [f"{job}:60"]
+
+
+def test_resume_from_a_version_named_by_its_jobs_name_asks_control_for_the_id(
+    control_served, catalog_served, monkeypatch, capsys
+):
+    job = _ended_job(control_served, "resn")
+    seen = []
+    real = control_pb2_grpc.ControlServiceStub
+
+    class Seen(real):  # (what the CLI sends control, then the real control answers)
+        def __init__(self, channel):
+            super().__init__(channel)
+            resume = self.ResumeJob
+
+            def asked(req, **kw):
+                seen.append(req.from_version)
+                return resume(req, **kw)
+
+            self.ResumeJob = asked
+
+    from services.cli import clients
+
+    monkeypatch.setitem(clients._STUBS, "control", Seen)
+    run_cli(["resume", job, "--from", "resn:4"], monkeypatch, capsys)
+    assert seen == [f"{job}:4"]

@@ -8,7 +8,7 @@ import pytest
 
 from services.cli import clients
 from services.cli.errors import CliError
-from services.cli.init_from import check_init_from, pin_latest, weights_mismatch
+from services.cli.init_from import check_init_from, committed, pin_latest, weights_mismatch
 from services.compute import hf_format
 from services.compute.model import build_model
 from services.contract import control_pb2, data_pb2, store_pb2
@@ -55,26 +55,37 @@ class _Store:
             info=store_pb2.CheckpointInfo(version="src-1:4", spec_json=spec_to_json(self.spec))
         )
 
+    def List(self, msg, timeout=None):  # noqa: N802 - asked for the versions of a job control does not know
+        return store_pb2.CheckpointList()
+
 
 class _Control:
-    """Control's ListJobs: two ended runs of the job named ``src`` (``src-1`` the newer)."""
+    """Control's ListJobs: runs of the job named ``src`` (default: two ended, ``src-1`` the
+    newer); GetJob: no other job."""
+
+    def __init__(self, *jobs: tuple[str, int]):
+        self.jobs = jobs or (("src-0", control_pb2.TERMINATED), ("src-1", control_pb2.TERMINATED))
 
     def ListJobs(self, msg, timeout=None):  # noqa: N802 - the gRPC method's name
-        ended = control_pb2.TERMINATED
         return control_pb2.JobList(
             jobs=[
-                control_pb2.JobStatus(job_id="src-0", name="src", state=ended, created_unix=1),
-                control_pb2.JobStatus(job_id="src-1", name="src", state=ended, created_unix=2),
+                control_pb2.JobStatus(job_id=i, name="src", state=st, created_unix=n)
+                for n, (i, st) in enumerate(self.jobs)
             ]
         )
+
+    def GetJob(self, msg, timeout=None):  # noqa: N802 - the gRPC method's name
+        raise CliError(f"no job {msg.job_id!r}", code=2)
 
 
 @pytest.fixture
 def store(monkeypatch):
-    def use(spec):
+    def use(spec, control=None):
         stub = _Store(spec)
         monkeypatch.setattr(clients, "address", lambda service: "127.0.0.1:1")
-        monkeypatch.setattr(clients, "call", lambda service, fn: fn(stub if service == "store" else _Control()))
+        monkeypatch.setattr(
+            clients, "call", lambda service, fn: fn(stub if service == "store" else control or _Control())
+        )
         return stub
 
     return use
@@ -124,8 +135,9 @@ def test_latest_is_pinned_to_the_version_it_names_at_submit_and_nothing_else_cha
     assert pin_latest(parse_job_spec(exact), exact, "ft.yaml") is exact
 
 
-def test_a_job_name_is_pinned_to_the_newest_run_of_that_name(store):
-    stub = store(spec_of())
+def test_a_job_name_is_pinned_to_its_live_run_and_a_name_of_several_ended_runs_is_one_line_ambiguous(store):
+    live = _Control(("src-0", control_pb2.TERMINATED), ("src-1", control_pb2.RUNNING))
+    stub = store(spec_of(), live)
     text = "name: ft\nsteps: 4\ndata: {dataset: x@v1}\ninit_from: {checkpoint: 'src:latest'}\n"
     assert parse_job_spec(pin_latest(parse_job_spec(text), text, "ft.yaml")).init_from.checkpoint == "src-1:4"
     assert stub.asked == ["src-1:latest"]
@@ -133,6 +145,16 @@ def test_a_job_name_is_pinned_to_the_newest_run_of_that_name(store):
     assert parse_job_spec(pin_latest(parse_job_spec(exact), exact, "ft.yaml")).init_from.checkpoint == "src-1:2"
     unknown = text.replace("src:latest", "other-7:2")
     assert pin_latest(parse_job_spec(unknown), unknown, "ft.yaml") is unknown  # the store names what it lacks
+    stub = store(spec_of())  # both runs ended: which one is meant cannot be told (was: the newer, silently)
+    ambiguous = "job name 'src' is ambiguous: 2 ended jobs have it (src-0, src-1); give the id"
+    for asked in (text, exact):
+        with pytest.raises(CliError) as e:
+            pin_latest(parse_job_spec(asked), asked, "ft.yaml")
+        assert (e.value.code, str(e.value)) == (2, ambiguous)
+    with pytest.raises(CliError) as e:
+        committed("src:3", "--version")  # `surgectl evaluate --version src:3`
+    assert (e.value.code, str(e.value)) == (2, ambiguous)
+    assert stub.asked == []  # nothing loaded
 
 
 def test_with_no_stack_the_version_is_read_from_the_catalog_under_surge_home(surge_home):
@@ -323,3 +345,27 @@ def test_dry_run_checks_an_hf_directorys_weights_names_its_own_problem_first_and
     code, out, err = run_cli([*dry, "--set", "model.n_layers=2"], monkeypatch, capsys)  # one field written
     assert code == 0 and "# model: d_model, n_heads, n_kv_heads, mlp, ffn_hidden, " in out, err
     shutil.rmtree(hf)
+
+
+def test_evaluate_takes_its_jobs_version_by_number_or_latest_and_refuses_another_jobs():
+    from services.cli.cmd_evaluate import evaluated_version
+
+    asked: list[str] = []
+
+    def pin(ref: str) -> str:  # (committed(): a name resolved to its id, latest to its number)
+        asked.append(ref)
+        job, _, n = ref.rpartition(":")
+        return f"{'src-1' if job == 'src' else job}:{4 if n == 'latest' else n}"
+
+    assert evaluated_version("src-1", None, pin) == "src-1:4"
+    assert evaluated_version("src-1", "latest", pin) == "src-1:4"
+    assert evaluated_version("src-1", "2", pin) == "src-1:2"  # (was refused: "expected <job>:<n>")
+    assert evaluated_version("src-1", "src:3", pin) == "src-1:3"  # its name
+    assert asked == ["src-1:latest", "src-1:latest", "src-1:2", "src:3"]
+    with pytest.raises(CliError) as e:  # (was accepted: the other run's scores filed under src-1)
+        evaluated_version("src-1", "other-7:2", pin)
+    assert (e.value.code, str(e.value)) == (
+        2,
+        "--version other-7:2: a version of job other-7, not of src-1 "
+        "(`surgectl evaluate other-7 --version other-7:2` scores it as that job's)",
+    )

@@ -19,8 +19,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 
 def drawn(out: str) -> int:
-    m = re.search(r"\((\d+) steps from ", out)
-    assert m, out
+    m = re.search(r"\((\d+) of steps 1-(\d+) from ", out)  # (a chart's points of every step)
+    assert m and int(m.group(2)) == 12_000, out
     return int(m.group(1))
 
 

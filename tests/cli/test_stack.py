@@ -43,6 +43,70 @@ def test_a_service_that_loses_its_port_is_restarted_on_a_fresh_one(surge_home, m
         squatter.close()
 
 
+def test_up_after_down_gives_each_service_its_last_ports_while_free_and_writes_prometheus_targets(surge_home):
+    """A Prometheus scraping the local stack keeps its targets across `down` / `up` (was: every
+    port new at every `up`, every target down and every series' ``instance`` new): each service
+    gets its last ports back (``run/ports.json``) unless one was taken since, and
+    ``run/prometheus_targets.json`` (file_sd) lists every /metrics endpoint by service."""
+    import json
+
+    from services.common import paths
+
+    def ports(procs):
+        return {n: (p.port, p.metrics_port) for n, p in procs.items()}
+
+    def targets():
+        raw = json.loads((paths.run_dir() / "prometheus_targets.json").read_text())
+        return {t["labels"]["service"]: t["targets"] for t in raw}
+
+    pids, squatter = [], socket.socket()
+    try:
+        first = stack.up(num_workers=2, timeout_s=60)
+        pids += [p.pid for p in first.values()]
+        assert targets() == {n: [f"127.0.0.1:{p.metrics_port}"] for n, p in first.items()}
+        stack.down()
+        squatter.bind(("127.0.0.1", first["data"].metrics_port))  # taken while the stack was down
+        squatter.listen()
+        second = stack.up(num_workers=2, timeout_s=60)
+        pids += [p.pid for p in second.values()]
+        was, now = ports(first), ports(second)
+        assert now["data"][1] != was["data"][1] and now["data"][0] == was["data"][0]
+        assert {n: v for n, v in now.items() if n != "data"} == {n: v for n, v in was.items() if n != "data"}
+        assert targets() == {n: [f"127.0.0.1:{p.metrics_port}"] for n, p in second.items()}
+    finally:
+        stack.down()
+        kill_all(pids)
+        squatter.close()
+
+
+def test_the_workers_of_a_one_host_stack_each_register_their_share_of_its_memory(surge_home, monkeypatch):
+    """Each of `up --workers 2`'s agents registered the whole host's RAM, so the allocator's
+    CPU slot quotas summed to twice the host (fresh37 #7c): now each says its share."""
+    import json
+    import time
+
+    meminfo = surge_home / "meminfo"
+    meminfo.write_text("MemTotal: 25165824 kB\nMemFree: 12582912 kB\nMemAvailable: 12582912 kB\n")  # 24 GiB
+    monkeypatch.setenv("SURGE_WORKER_MEMINFO", str(meminfo))
+    monkeypatch.setenv("SURGE_WORKER_MEMORY_CHECK_SECONDS", "0")
+    procs = {}
+    try:
+        procs = stack.up(num_workers=2, timeout_s=60)
+
+        def serving(name: str) -> dict | None:  # the agent's start line (written before it serves)
+            lines = [json.loads(x) for x in open(procs[name].log) if '"worker serving"' in x]
+            return lines[-1] if lines else None
+
+        deadline = time.monotonic() + 30
+        while not all(serving(w) for w in ("worker-0", "worker-1")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        said = [serving(w) for w in ("worker-0", "worker-1")]
+        assert [(s["memory_bytes"], s["host_share"]) for s in said] == [(12 * 2**30, 2)] * 2, said
+    finally:
+        stack.down()
+        kill_all([p.pid for p in procs.values()])
+
+
 def test_a_bad_fixed_port_is_one_line_naming_the_variable_and_starts_nothing(surge_home, monkeypatch):
     monkeypatch.setenv("SURGE_CONTROL_PORT", "http")
     with pytest.raises(CliError) as e:

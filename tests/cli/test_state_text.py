@@ -1,4 +1,5 @@
-"""How `surgectl status` names a job's state: PREEMPTED is a STANDBY sub-state (issue 30 item 2)."""
+"""How `surgectl status` names a job's state: PREEMPTED is a STANDBY sub-state (issue 30 item 2);
+a drain in flight is named, with the step its paused ranks save."""
 
 from __future__ import annotations
 
@@ -21,6 +22,16 @@ S = control_pb2.JobState
         (control_pb2.JobStatus(state=S.STANDBY, preempted_by="hi-1"), "PREEMPTED (by hi-1)"),
         (control_pb2.JobStatus(state=S.RUNNING, preempted_by="hi-1"), "RUNNING (preempted by hi-1: checkpointing)"),
         (control_pb2.JobStatus(state=S.RUNNING), "RUNNING"),
+        # `surgectl down`'s drain: its paused ranks save a step (an operator's pause has no
+        # checkpoint of it: `drained` False, `up` leaves it PAUSED; was shown "RUNNING"), or it
+        # pauses at its next boundary
+        (control_pb2.JobStatus(state=S.RUNNING, draining=True, draining_step=9), "RUNNING (draining: saving step 9)"),
+        (
+            control_pb2.JobStatus(state=S.RUNNING, draining=True, draining_step=9, drained=True),
+            "RUNNING (draining: saving step 9)",
+        ),
+        (control_pb2.JobStatus(state=S.RUNNING, draining=True), "RUNNING (draining)"),
+        (control_pb2.JobStatus(state=S.RUNNING, drained=True), "RUNNING (draining)"),  # (an older control)
     ],
 )
 def test_state_text(status, text):

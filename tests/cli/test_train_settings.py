@@ -341,3 +341,37 @@ def test_eval_on_another_dataset_when_the_jobs_own_is_deleted_is_refused(home, t
         code, err, 2, "--dataset nv@v1: checkpoint tj:1: trained on dataset tiny@v1, which cannot be read",
         "dataset tiny@v1 not found", "cannot be checked against nv@v1's",
     )  # fmt: skip
+
+
+def test_a_held_out_split_far_over_its_share_of_tokens_is_said_in_one_line(surge_home, tmp_path, monkeypatch, capsys):
+    """Documents are held out whole: 16 files, one large, --val-fraction 0.02 held out the large
+    one (79 % of the tokens) and said nothing (a new user's trial)."""
+    from services.data.prepare.encode import split_key
+
+    src = tmp_path / "src"
+    src.mkdir()
+    names = [f"n{i:02}.txt" for i in range(16)]
+    keys = {name: split_key(name) / 2**64 for name in names}
+    big = min(names, key=keys.get)  # the rule's first pick, whatever val_fraction
+    assert keys[big] < 0.02 or all(k >= 0.02 for k in keys.values())  # (held out by the rule or the fallback)
+    for name in names:
+        (src / name).write_text(f"note {name}\n" * (4_000 if name == big else 20))
+
+    def prepare(version: str, fraction: str) -> tuple[list[str], dict]:
+        argv = ["dataset", "prepare", "--name", "lop", "--version", version, "--source", str(src)]
+        code, out, err = run_cli([*argv, "--val-fraction", fraction], monkeypatch, capsys)
+        assert code == 0, err
+        manifest = json.loads((surge_home / "datasets" / "lop" / version / "manifest.json").read_text())
+        return [line for line in err.strip().splitlines() if line.startswith("warning: ")], manifest
+
+    lines, manifest = prepare("v1", "0.02")
+    val = manifest["splits"]["val"]
+    assert (surge_home / "datasets" / "lop" / "v1" / "val.docs.txt").read_text().splitlines()[0] == big
+    share = val["tokens"] / (val["tokens"] + manifest["splits"]["train"]["tokens"])
+    assert share > 0.7 and len(lines) == 1, lines
+    assert lines[0].startswith(f"warning: lop@v1: the held-out split has {share:.0%} of the tokens")
+    assert "--val-fraction 0.02 asked" in lines[0] and "documents are held out whole" in lines[0]
+    assert manifest["warnings"] == [lines[0].removeprefix("warning: ")]
+    (src / big).write_text(f"note {big}\n" * 20)  # the same files, even sizes: nothing to say
+    lines, manifest = prepare("v2", "0.02")
+    assert lines == [] and "warnings" not in manifest and manifest["splits"]["val"]["documents"] >= 1

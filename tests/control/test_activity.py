@@ -27,13 +27,12 @@ from services.control.orchestrator.activity import (
 from services.control.orchestrator.job import (
     _Incident,
     _Job,
-    _load_runtime,
     _Recovered,
     _Reload,
     _Resume,
-    _runtime,
     _Scale,
 )
+from services.control.orchestrator.job_journal import _load_runtime, _runtime
 from services.jobspec import at_data_parallel_size, parse_job_spec
 
 from .conftest import spec_yaml

@@ -297,6 +297,21 @@ def test_a_skipped_save_says_training_continues_or_that_the_stop_goes_on_without
     assert stopping.text.endswith("fault policy; the stop goes on without it"), stopping.text
 
 
+@pytest.mark.parametrize(
+    "pausing, then",
+    [
+        ("pause", "the pause goes on without it (the ranks pause at step 40 with no checkpoint of it)"),
+        ("drain", "the drain's pause goes on without it: not drained, the ranks stay paused at step 40"),
+        ("paused", "the job stays paused at step 40 with no checkpoint of it"),
+    ],
+)
+def test_a_skipped_save_of_the_step_a_job_pauses_at_does_not_say_training_continues(pausing, then):
+    """Was "training continues" for a drain's save of its paused step (a fresh SRE's trial)."""
+    fault = report("checkpoint_write_failed", FaultGrade.MEDIUM, rank=0, step=40, worker="w0")
+    decision = decide(FaultPolicySpec(), JobView(restarts={}, ignored={}, pausing=pausing), fault)
+    assert decision.action == "skip_save" and decision.text.endswith(f"fault policy; {then}"), decision.text
+
+
 def test_skip_save_for_a_class_that_is_not_a_save_fault_is_refused_naming_it():
     with pytest.raises(ValueError, match="actions.rank_exit: skip_save applies only to checkpoint_write_failed"):
         FaultPolicySpec(actions={"rank_exit": "skip_save"})

@@ -155,6 +155,21 @@ def test_the_survivors_failure_and_the_kills_are_consequences_not_new_decisions(
     assert plane.get(job_id).state == JobState.FAULT_FROZEN
 
 
+def test_a_rank_the_recovery_killed_is_the_ranks_end_not_a_fault(plane):
+    # fresh36 F8: the recovery's kill of the survivor (released, then killed) was listed as
+    # "fault ... rank_released, expected: ...", so `events --type fault` showed two faults per
+    # incident; the README says a released rank's end is type `rank`.
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # the incident's cause
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9, released=True, detail="signal 9")
+    events = plane.events(job_id)
+    faults = [e.message for e in events if e.type == "fault"]
+    assert len(faults) == 1 and "rank_exit" in faults[0], faults
+    ends = [e.message for e in events if e.type == "rank" and "ended after its release" in e.message]
+    assert len(ends) == 1 and ends[0].startswith("rank 0 ended after its release: rank 0 on worker wa ended"), ends
+    assert ends[0].endswith("(consequence of rank 1's rank_exit)"), ends
+
+
 def test_a_consequence_line_has_no_grade_and_a_clipped_detail(plane):
     # After every rebuild the survivor's broken collective was printed "SEVERE comm_error:"
     # with gloo's whole text, twice (L3 and L2-2): read as a new failure. It is now marked
@@ -379,7 +394,7 @@ def test_faults_detection_latency_decisions_and_recovery_time_are_exported(plane
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
     keys = (
-        ("surge_faults_total", {"grade": "SEVERE", "class": "rank_exit"}),
+        ("surge_faults_total", {"grade": "SEVERE", "class": "rank_exit", "role": "cause"}),
         ("surge_fault_detection_latency_seconds_count", {"class": "rank_exit"}),
         ("surge_fault_decisions_total", {"class": "rank_exit", "action": "restart_ranks"}),
         ("surge_recovery_seconds_count", {"class": "rank_exit"}),
@@ -394,6 +409,33 @@ def test_faults_detection_latency_decisions_and_recovery_time_are_exported(plane
     assert [a - b for a, b in zip(after, before)] == [1, 1, 1, 1]
     latency = sample("surge_fault_detection_latency_seconds_sum", **{"class": "rank_exit"})
     assert latency >= 0.25  # from the exit the node agent reaped, not from the report
+
+
+def test_a_clean_end_and_a_release_are_not_counted_as_faults_but_an_early_clean_exit_is(plane):
+    # (session 35's trial: every successful job added rank_exit_clean MEDIUM, every preempted
+    # rank rank_released MINOR, and an alert on MEDIUM fired on every successful job)
+    from prometheus_client import REGISTRY
+
+    def faults() -> dict:
+        return {
+            (s.labels["class"], s.labels["grade"], s.labels["role"]): s.value
+            for metric in REGISTRY.collect()
+            if metric.name == "surge_faults"
+            for s in metric.samples
+            if s.name == "surge_faults_total"
+        }
+
+    before = faults()
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_event(w["wa"], job_id, 0, finished=engine_pb2.TrainingLoopFinished(rank=0, step=20))
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=0)  # rank 0 done, rank 1 still running
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9, released=True)  # an exit control asked for
+    assert faults() == before
+    other, v = running(plane, "wc", "wd")
+    plane.rank_exited(v["wc"], other, 0, exit_code=0)  # never finished: a lost rank, a fault
+    after = faults()
+    cause = ("rank_exit_clean", "MEDIUM", "cause")
+    assert after.get(cause, 0) - before.get(cause, 0) == 1
 
 
 @pytest.mark.parametrize(
@@ -505,7 +547,8 @@ def test_a_checkpoint_integrity_failure_of_the_relaunched_ranks_rolls_back_by_th
     )
     plane.rank_event(w["wa"], job_id, 0, failed=failed)
     assert (
-        decisions(plane, job_id)[1] == "rollback after checkpoint_error of rank 0 (restart 1 of 3 for checkpoint_error)"
+        decisions(plane, job_id)[1]
+        == "rollback after checkpoint_error (checkpoint_integrity) of rank 0 (restart 1 of 3 for checkpoint_error)"
     )
     relaunched = [m for m in (e.message for e in plane.events(job_id)) if m.startswith("ranks killed and relaunched")]
     assert [m.split("resume from ")[1].split(";")[0] for m in relaunched] == [
@@ -710,6 +753,30 @@ def test_a_skipped_save_is_one_record_unless_the_policy_decides_on_snapshot_fail
         ]
         assert decisions(plane, job_id) == ["stop after snapshot_failed of rank 0: fault policy"]
         assert plane.get(job_id).outcome == JobOutcome.FAILED
+
+
+def test_a_jobs_failed_saves_are_counted_once_each_with_their_typed_cause_until_a_commit(plane, store):
+    """``JobStatus.save_failing`` (what `surgectl status` names in one line, and `down` says
+    of a refused drain): each failed save once (its write and its commit, or ranks, report one
+    save alike), its typed cause and path kept; the next commit clears it; a save lost with a
+    peer is the recovery's to tell, not counted (F7 of a fresh SRE's trial: nothing said)."""
+    job_id, w = running(plane, "wa", "wb")
+    saved(plane, w["wa"], job_id, 1, 4)
+    said = "[Errno 28] No space left on device"
+    for at in (6, 6, 8):  # (step 6 reported twice: one save)
+        refused = relay_snapshot_failed(
+            job_id, "save", store_pb2.WRITE_REFUSED, route_pb2.FAILURE_WRITE_REFUSED, "surge.v1.CommitCheckpoint",
+            said, step=at, write_error=route_pb2.WRITE_NO_SPACE, path="/h/ck/staging",
+        )  # fmt: skip
+        plane.rank_event(w["wa"], job_id, 0, snapshot_failed=refused)
+    plane.rank_event(w["wa"], job_id, 0, snapshot_failed=broken_save(job_id, 9))  # (a peer's: not counted)
+    f = plane.get(job_id).save_failing
+    assert (f.failed, f.first_step, f.step, f.cause, f.write_error, f.path) == (
+        2, 6, 8, store_pb2.WRITE_REFUSED, route_pb2.WRITE_NO_SPACE, "/h/ck/staging"
+    )  # fmt: skip
+    assert f.reason == said and f.since_unix > 0
+    saved(plane, w["wa"], job_id, 2, 10)
+    assert not plane.get(job_id).HasField("save_failing")
 
 
 # Liveness whose attribution window (orchestrator._attribution_window) is 2 s.

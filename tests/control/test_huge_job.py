@@ -17,7 +17,7 @@ import pytest
 
 from services.contract import control_pb2
 from services.engine.sharding_plan import plan, stage_layers
-from services.jobspec import MAX_WORLD_SIZE, JobSpecError, ModelSpec, ParallelSpec, parse_job_spec
+from services.jobspec import MAX_LAYERS, MAX_WORLD_SIZE, JobSpecError, ModelSpec, ParallelSpec, parse_job_spec
 from services.memory_estimate import estimate_memory
 
 from .conftest import Plane, settle, spec_yaml
@@ -53,20 +53,46 @@ def test_a_job_of_the_largest_world_size_queues_and_is_retried_without_building_
     assert peak < BOUND_BYTES, f"{peak:,} bytes traced for a queued job of {MAX_WORLD_SIZE:,} ranks"
 
 
-def test_the_memory_estimate_of_any_world_size_is_made_without_a_per_rank_plan():
-    spec = parse_job_spec(spec_yaml(dp=MAX_WORLD_SIZE), "job.yaml")
+def estimate_traced(spec):
+    """``spec``'s memory estimate and the peak bytes traced while it was made."""
     tracemalloc.start()
     try:
         est = estimate_memory(spec)
-        _, peak = tracemalloc.get_traced_memory()
+        return est, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def test_the_memory_estimate_of_any_world_size_is_made_without_a_per_rank_plan():
+    est, peak = estimate_traced(parse_job_spec(spec_yaml(dp=MAX_WORLD_SIZE), "job.yaml"))
     assert est.total > 0 and peak < BOUND_BYTES // 16, f"{peak:,} bytes traced"
     # The stages it uses are the plan's (the plan, at a small size, is the reference).
     for n_layers, pp in ((1, 1), (4, 2), (5, 3), (7, 7)):
         model = ModelSpec(n_layers=n_layers, d_model=32, n_heads=2, tie_embeddings=False)
         parallel = ParallelSpec(dp=2, pp=pp, microbatches=pp)
         assert stage_layers(n_layers, pp) == plan(model, 2 * pp, parallel).stage_layers
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    ["dp: 2,", "dp: 2, tp: 2, data_parallel: fsdp2,", "dp: 2, pp: 2, microbatches: 2,", "dp: 2, data_parallel: fsdp2,"],
+)
+def test_the_memory_estimate_of_the_deepest_model_is_made_without_a_list_of_its_parameters(parallel):
+    # A fresh user's `--set model.n_layers=2147483647` ran `submit --dry-run` out of memory in
+    # the estimate's per-parameter list, the code control's allocator runs for every try.
+    model = f"n_layers: {MAX_LAYERS}, tie_embeddings: false,"
+    text = spec_yaml(dp=2).replace("n_layers: 1,", model).replace("dp: 2,", parallel)
+    est, peak = estimate_traced(parse_job_spec(text, "job.yaml"))
+    assert est.total_parameters > MAX_LAYERS * 32 * 32 and peak < BOUND_BYTES // 16, f"{peak:,} bytes traced"
+
+
+def test_a_model_deeper_than_the_cap_is_refused_in_one_line_naming_the_field():
+    with pytest.raises(JobSpecError) as refused:
+        parse_job_spec(spec_yaml().replace("n_layers: 1,", f"n_layers: {2**31 - 1},"), "job.yaml")
+    assert (
+        str(refused.value)
+        == f"job.yaml: model.n_layers: Input should be less than or equal to {MAX_LAYERS}, got {2**31 - 1}"
+    )
 
 
 @pytest.mark.parametrize(("dp", "tp", "pp"), [(MAX_WORLD_SIZE + 1, 1, 1), (10_000_000, 1, 1), (2**19 + 1, 2, 1)])

@@ -1,7 +1,8 @@
-"""A job's launches carry the world's node list once per node agent, as runs, not in every
-rank's assignment (issue 28): 8,192 ranks on 1,024 nodes were 741 MB of LaunchRanks, quadratic
-in the ranks (bench/control_start.py). What each rank receives is unchanged: its node agent
-fills the assignment's ``rank_nodes`` from the launch's ``node_runs`` (tests/worker/test_rank_nodes.py)."""
+"""A job's launches carry no list of the world's nodes (issue 28): in every rank's assignment
+8,192 ranks on 1,024 nodes were 741 MB of LaunchRanks; once per launch as runs, still O(nodes²)
+per job (10,000 one-rank nodes: 10^8 runs, control OOM-killed; bench/control_start.py). Each
+rank learns the nodes at its rendezvous (services/engine/node_map.py); an older L1-2's runs
+are still expanded by the node agent (tests/worker/test_rank_nodes.py)."""
 
 from __future__ import annotations
 
@@ -38,69 +39,89 @@ def launches(world: int, per_node: int) -> list[control_pb2.LaunchRanks]:
             sent.append(msg)
 
     allocator = ResourceAllocator(hardware=hardware, emit=lambda msg, payload=None: None)
-    for i in range(world // per_node):
-        allocator.on_worker_registration(registration(f"node-{i:04d}", per_node))
+    for i in range(-(-world // per_node)):  # (the last node partly used where per_node does not divide world)
+        allocator.on_worker_registration(registration(f"node-{i:05d}", per_node))
     init = engine_pb2.InitJob(job_id="j", spec_json=spec_to_json(parse_job_spec(spec_yaml(dp=world))))
     allocator.allocate_resources(control_pb2.AllocateResources(job_id="j", world_size=world, init=init))
     return sent
 
 
-def test_a_launch_carries_the_worlds_nodes_once_not_in_every_assignment():
-    sent = launches(world=64, per_node=8)
-    world = [f"node-{r // 8:04d}" for r in range(64)]
-    assert len(sent) == 8
-    for launch in sent:
-        assert [a.rank_nodes for a in launch.ranks] == [[]] * 8  # (each was the 64-entry list)
-        assert expand(launch.node_runs) == world and len(launch.node_runs) == 8
+def others(sent: list[control_pb2.LaunchRanks]) -> list[control_pb2.LaunchRanks]:
+    """The launches of every node but rank 0's (whose link probe names every node of the job:
+    one launch O(nodes), the job's O(nodes))."""
+    return [launch for launch in sent if all(a.rank != 0 for a in launch.ranks)]
 
 
-def test_a_jobs_launches_are_not_quadratic_in_its_ranks():
-    """512 ranks on 64 nodes: each launch carries 64 runs, not 8 assignments x 512 names; the
-    job's launches were 3,076,579 bytes (the old code), 253,923 now (bench/control_start.py)."""
-    sent = launches(world=512, per_node=8)
-    assert {len(launch.node_runs) for launch in sent} == {64}
-    assert sum(m.ByteSize() for m in sent) < 400_000
+def test_a_nodes_launch_is_the_same_size_whatever_the_jobs_node_count():
+    """One-rank nodes: a launch names its own rank, not the world's nodes (the old code: 100
+    nodes' launches ~2.1 KB each, 1,000 nodes' ~17.6 KB, quadratic in all; 10,000 OOM-killed
+    control, issue 28). Each rank learns the world's nodes at its rendezvous
+    (services/engine/node_map.py, tests/engine/test_node_map.py)."""
+    small, large = launches(world=100, per_node=1), launches(world=1_000, per_node=1)
+    assert (len(small), len(large)) == (100, 1_000)
+    per_node = {n: max(m.ByteSize() for m in others(sent)) for n, sent in ((100, small), (1_000, large))}
+    assert per_node[1_000] <= per_node[100] + 4, per_node  # (+4: a larger rank's varint)
+    for launch in small + large:
+        assert not launch.node_runs and all(not a.rank_nodes for a in launch.ranks)
+    assert sum(m.ByteSize() for m in large) < 12 * sum(m.ByteSize() for m in small)
 
 
-def rebuild_in_place(world: int, per_node: int) -> engine_pb2.RebuildParallelGroup:
-    """One rebuild in place of rank 1 of a job over world/per_node nodes (its replacement on
-    its own node): the rendezvous L1-2 sends L2-2 of every rank."""
+def test_each_rank_is_told_its_place_among_its_nodes_ranks():
+    """What a node agent read the world's list for (LOCAL_RANK, LOCAL_WORLD_SIZE: its
+    binding) comes in each assignment."""
+    sent = launches(world=20, per_node=8)  # (8, 8, 4)
+    got = sorted((a.rank, a.worker_id, a.local_rank, a.local_world_size) for m in sent for a in m.ranks)
+    assert got == [(r, f"node-{r // 8:05d}", r % 8, 8 if r < 16 else 4) for r in range(20)]
+
+
+def rebuild_in_place(world: int, per_node: int, lost: list[int], exclude: list[str] = ()):
+    """One rebuild in place of the ``lost`` ranks of a job over world/per_node nodes
+    (``exclude``: nodes lost, their ranks placed elsewhere): the rendezvous L1-2 sends L2-2 of
+    every rank, the launches it sends, and where the ranks are."""
     rebuilds: list[engine_pb2.RebuildParallelGroup] = []
+    sent: list[tuple[control_pb2.LaunchRanks, str]] = []
     allocator = ResourceAllocator(
-        hardware=lambda msg, payload=None: None,
+        hardware=lambda msg, payload=None: (
+            sent.append((msg, payload)) if isinstance(msg, control_pb2.LaunchRanks) else None
+        ),
         emit=lambda msg, payload=None: None,
         parallel=lambda msg, payload=None: rebuilds.append(msg),
     )
-    for i in range(world // per_node):
-        allocator.on_worker_registration(registration(f"node-{i:04d}", per_node))
+    for i in range(world // per_node + 1):  # (one node more, free: a lost node's ranks go there)
+        allocator.on_worker_registration(registration(f"node-{i:05d}", per_node))
     init = engine_pb2.InitJob(job_id="j", spec_json=spec_to_json(parse_job_spec(spec_yaml(dp=world))))
     allocator.allocate_resources(control_pb2.AllocateResources(job_id="j", world_size=world, init=init))
+    sent.clear()
     ready = allocator.rebuild_communicator(
-        control_pb2.RebuildCommunicator(job_id="j", reason="test", in_place=True, lost_ranks=[1])
+        control_pb2.RebuildCommunicator(
+            job_id="j", reason="test", in_place=True, lost_ranks=lost, exclude_worker_ids=list(exclude)
+        )
     )
     assert isinstance(ready, control_pb2.ResourcesReady), ready
     (rebuild,) = rebuilds
-    return rebuild
+    return rebuild, [(launch, worker) for launch, worker in sent if launch.ranks], ready
 
 
-def test_a_rebuilds_rendezvous_carries_the_worlds_nodes_as_runs():
-    """The rendezvous of a rebuild in place names every rank's node as runs, not as the
-    world's list: the same command goes to every node agent of the job (the old code: 64
-    names, the runs empty)."""
-    rebuild = rebuild_in_place(world=64, per_node=8)
-    nodes = [f"node-{r // 8:04d}" for r in range(64)]
-    assert list(rebuild.rank_nodes) == []
-    assert expand(rebuild.node_runs) == nodes and nodes_of(rebuild) == nodes
-    assert len(rebuild.node_runs) == 8
+def test_a_rebuilds_rendezvous_is_the_same_size_whatever_the_jobs_node_count():
+    """The rendezvous goes to every node agent of the job: it names no nodes now (the old
+    code: runs of the world's nodes, 15 KB per agent at 1,000 one-rank nodes, 135 MB per
+    rebuild at 3,000: bench/control_start.py ``--rebuild-sizes``)."""
+    small, _, _ = rebuild_in_place(world=64, per_node=1, lost=[1])
+    large, _, _ = rebuild_in_place(world=1_000, per_node=1, lost=[1])
+    for rebuild in (small, large):
+        assert not rebuild.node_runs and not rebuild.rank_nodes
+    assert large.ByteSize() <= small.ByteSize() + 4, (small.ByteSize(), large.ByteSize())
 
 
-def test_a_rebuilds_rendezvous_is_not_the_size_of_the_world():
-    """8 ranks per node: one rendezvous is O(nodes), not O(ranks): 512 ranks' was ~5.7 KB
-    (the world's list), now under 1.5 KB; it goes to each of the job's 64 node agents
-    (bench/control_start.py ``--rebuild-sizes``)."""
-    rebuild = rebuild_in_place(world=512, per_node=8)
-    assert len(rebuild.node_runs) == 64
-    assert rebuild.ByteSize() < 1_500
+def test_a_rebuild_after_a_node_loss_launches_its_ranks_on_the_new_node_with_their_place_there():
+    """Node 1 (ranks 8-15) lost: its ranks go to the free node 3; the replacements' launch
+    names that node and each rank's place among its 8 (the survivors' nodes get no launch)."""
+    rebuild, sent, ready = rebuild_in_place(world=24, per_node=8, lost=list(range(8, 16)), exclude=["node-00001"])
+    assert [worker for _, worker in sent] == ["node-00003"] and list(ready.replaced_ranks) == list(range(8, 16))
+    ((launch, _),) = sent
+    got = [(a.rank, a.worker_id, a.local_rank, a.local_world_size) for a in launch.ranks]
+    assert got == [(r, "node-00003", r - 8, 8) for r in range(8, 16)]
+    assert (rebuild.world_size, list(rebuild.lost_ranks)) == (24, list(range(8, 16)))
 
 
 def test_a_rank_reads_the_nodes_of_either_form():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.contract import control_pb2, engine_pb2, store_pb2
+from services.contract import control_pb2, engine_pb2, route_pb2, store_pb2
 from services.control.__main__ import build
 from services.control.job_store import JobStore
 from services.control.orchestrator import (
@@ -378,7 +378,7 @@ def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_
     assert (s.step, s.checkpoint_version, s.checkpoint_step) == (9, f"{job_id}:1", 4)  # what `down` checks
     assert "not drained: its checkpoint of step 9 could not be saved" in s.message
     events = [e.message for e in plane.events(job_id)]
-    assert any("the pause after step 9 has no checkpoint of it; the newest is" in m for m in events)
+    assert any("the drain after step 9 has no checkpoint of it; the newest is" in m for m in events)
     plane.user(control_pb2.ResumeJobRequest(job_id=job_id))  # a plain resume: its ranks are there
     assert plane.get(job_id).state == JobState.RUNNING
 
@@ -386,10 +386,11 @@ def test_a_drain_whose_checkpoint_could_not_be_saved_is_not_parked_and_says_its_
 @pytest.mark.parametrize("first", ["drain", "operator pause"])
 def test_a_drain_of_a_job_paused_without_a_checkpoint_of_its_step_checkpoints_it_again(plane, store, first):
     """A job PAUSED with no checkpoint of its step (its pause's save failed: the store was
-    away) is drained by resuming it to the next agreed boundary and checkpointing there; it
-    was parked as it stood, and `surgectl down` refused it again and again (a fresh user's
-    trial). An operator's pause stays the operator's: `up` leaves it PAUSED; a drain's pause
-    is that drain's, finished now: `up` resumes it (was: the operator's pause, a second fresh
+    away) is drained by its paused ranks checkpointing that step in place (it was parked as it
+    stood, and `surgectl down` refused it again and again: a fresh user's trial; then its ranks
+    resumed and saved the next boundary, one step more trained: a fresh operator's trial). An
+    operator's pause stays the operator's: `up` leaves it PAUSED; a drain's pause is that
+    drain's, finished now: `up` resumes it (was: the operator's pause, a second fresh
     operator's trial)."""
     job_id, a, b = running_job(plane)
     saved(plane, a, job_id, 1, 4)
@@ -405,22 +406,26 @@ def test_a_drain_of_a_job_paused_without_a_checkpoint_of_its_step_checkpoints_it
 
     s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))  # `surgectl down`, the store back
     assert s.state == JobState.RUNNING and s.drained == (first == "drain")
+    # `status` says the drain, not a job that trains (was: "RUNNING" for an operator's pause)
+    # (tests/cli/test_state_text.py: "RUNNING (draining: saving step 9)")
+    assert [(x.draining, x.draining_step) for x in (s, plane.get(job_id))] == [(True, 9), (True, 9)]
     for session in (a, b):
         sent = [to_ranks(c) for c in drain(session) if c.WhichOneof("command") == "routed"]
         kinds = [type(m).__name__ for m in sent]
-        assert kinds == ["ResumeTraining", "PauseTraining"] and sent[1].checkpoint, kinds
+        assert kinds == ["PauseTraining"] and sent[0].checkpoint, kinds  # (no ResumeTraining: no step trained)
+    assert "the paused ranks checkpoint step 9 and pause again there" in plane.events(job_id)[-1].message
     assert plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True)).state == JobState.RUNNING  # again: same
     assert [c for c in drain(a) if c.WhichOneof("command") == "routed"] == []
-    step(plane, a, job_id, 11, agreed=2)
-    saved(plane, a, job_id, 2, 11)
+    saved(plane, a, job_id, 2, 9)  # (the paused step, saved in place)
     for rank, session in ((0, a), (1, b)):
-        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=11))
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
     s = plane.get(job_id)
-    assert (s.state, s.step, s.checkpoint_step, s.checkpoint_version) == (JobState.PAUSED, 11, 11, f"{job_id}:2")
+    assert (s.state, s.step, s.checkpoint_step, s.checkpoint_version) == (JobState.PAUSED, 9, 9, f"{job_id}:2")
+    assert (s.draining, s.draining_step) == (False, 0)  # (the drain is over)
     assert plane.c.orchestrator._jobs[job_id].parked  # the stack may stop
     if first == "drain":  # `up` resumes it
         assert s.drained and s.message.endswith(
-            f"drained: `surgectl up` resumes it from checkpoint {job_id}:2 (step 11)"
+            f"drained: `surgectl up` resumes it from checkpoint {job_id}:2 (step 9)"
         )
     else:  # `up` keeps it PAUSED
         assert not s.drained and "parked: its ranks stop with the stack" in s.message
@@ -469,6 +474,7 @@ def drained_job(plane: Plane, at: int = 9):
     step(plane, a, job_id, at - 2)
     s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
     assert (s.state, s.drained) == (JobState.RUNNING, True)  # drained from the request: `up` undoes it
+    assert (s.draining, s.draining_step) == (True, 0)  # (it pauses at the next agreed boundary)
     step(plane, a, job_id, at, agreed=1)
     saved(plane, a, job_id, 1, at)
     for rank, session in ((0, a), (1, b)):
@@ -575,3 +581,88 @@ def test_a_queued_resume_survives_a_control_restart_and_relaunches_from_its_vers
     launches = [c for session in sessions for c in drain(session) if c.WhichOneof("command") == "launch"]
     assert {c.launch.init.resume_version for c in launches if c.launch.init.job_id == job_id} == {f"{job_id}:1"}
     journal.close()
+
+
+# The ways a drain's save in place of a paused step fails (the rank's SnapshotFailed, typed):
+# the disk full (the store answers, the write refused), a quota, the store stopped, its timeout.
+_NO_SPACE = dict(
+    cause=store_pb2.WRITE_REFUSED,
+    write_error=route_pb2.WRITE_NO_SPACE,
+    path="/s/checkpoints/j/staging",
+    reason="No space left on device",
+    failure=route_pb2.Failure(cause=route_pb2.FailureCause.FAILURE_WRITE_REFUSED),
+)
+_SAVE_FAILURES = {
+    "no space": (
+        _NO_SPACE,
+        "the store answered but refused the write: no space at /s/checkpoints/j/staging",
+        "once you free space at /s/checkpoints/j/staging",
+    ),
+    "quota": (
+        {**_NO_SPACE, "write_error": route_pb2.WRITE_QUOTA},
+        "the store answered but refused the write: quota at /s/checkpoints/j/staging",
+        "once you raise the disk quota of /s/checkpoints/j/staging",
+    ),
+    "store stopped": (
+        dict(cause=store_pb2.UNREACHABLE, reason="BeginSave: UNAVAILABLE"),
+        "the store did not answer (unreachable)",
+        "once the store answers",
+    ),
+    "store timeout": (
+        dict(cause=store_pb2.TIMEOUT, reason="BeginSave: DEADLINE_EXCEEDED"),
+        "the store did not answer in time",
+        "once the store answers",
+    ),
+}
+
+
+@pytest.mark.parametrize("how", list(_SAVE_FAILURES))
+def test_a_second_drain_whose_save_in_place_fails_again_is_not_drained_and_says_why(plane, store, how):
+    """`surgectl down` refused (its drain's save failed), then `down` again with the save
+    failing again (the disk still full, the store still away): the paused ranks' save in place
+    fails, so the job is not drained (its ranks stay, `down` refuses again, nothing lost) and
+    control says why in the state the stack is in (the store refusing the write is not "once
+    the store answers"); the skipped save is not "training continues". Was: the save's failure
+    was taken for a periodic one, the job marked drained, `down` stopped the stack and `up`
+    resumed 150 steps back (a fresh SRE's trial, F1). A third `down` asks the save again."""
+    fields, why, until = _SAVE_FAILURES[how]
+    job_id, a, b = running_job(plane)
+    saved(plane, a, job_id, 1, 4)
+    step(plane, a, job_id, 7)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))  # the first `down`
+    drain(a), drain(b)
+    step(plane, a, job_id, 9, agreed=1)
+    plane.rank_event(
+        a, job_id, 0, snapshot_failed=store_pb2.SnapshotFailed(**fields, job_id=job_id, operation="save", step=9)
+    )
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
+    s = plane.get(job_id)
+    assert (s.state, s.drained, s.checkpoint_step) == (JobState.PAUSED, False, 4)  # the first `down` refused
+    assert f"could not be saved ({why}), the ranks stay paused (resume, or `surgectl down` again {until})" in s.message
+    assert (s.save_failing.failed, s.save_failing.step) == (1, 9)
+
+    for attempt in (2, 3):  # `down` again, the save failing again, and again
+        s = plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=True))
+        assert (s.state, s.drained) == (JobState.RUNNING, True)  # (the earlier drain's pause, checkpointing)
+        for session in (a, b):
+            sent = [to_ranks(c) for c in drain(session) if c.WhichOneof("command") == "routed"]
+            assert [type(m).__name__ for m in sent] == ["PauseTraining"] and sent[0].checkpoint
+        failed = store_pb2.SnapshotFailed(**fields, job_id=job_id, operation="save", step=9)
+        plane.rank_event(a, job_id, 0, snapshot_failed=failed)
+        for rank, session in ((0, a), (1, b)):
+            plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=9))
+        s = plane.get(job_id)
+        assert (s.state, s.drained, s.step, s.checkpoint_step) == (JobState.PAUSED, False, 9, 4), attempt
+        assert not plane.c.orchestrator._jobs[job_id].parked  # its ranks stay: the stack must not stop
+        assert plane.c.orchestrator._jobs[job_id].drain_unsaved_step == 9  # the next `down` is this drain's
+        assert f"could not be saved ({why})" in s.message and until in s.message
+        assert "drained: `surgectl up` resumes it" not in s.message
+        events = [e.message for e in plane.events(job_id)]
+        assert f"the drain after step 9 has no checkpoint of it; the newest is checkpoint {job_id}:1" in " ".join(
+            events
+        )
+        assert not any("training continues" in m for m in events), [m for m in events if "training continues" in m]
+
+    saved(plane, a, job_id, 2, 9)  # the space freed, the store back: the next `down` saves step 9
+    assert not plane.get(job_id).HasField("save_failing")  # (a commit clears it)

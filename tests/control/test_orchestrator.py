@@ -258,7 +258,7 @@ def test_a_job_needing_more_ranks_than_registered_is_queued_saying_so_and_launch
     )
     assert drain(a) == drain(b) == []
     (stored,) = plane.c.journal.load_jobs()
-    assert stored.runtime["queued"] == {"priority": 0, "seq": 1}
+    assert stored.runtime["queued"] == {"priority": 0, "seq": 1, "submitted": status.created_unix}
 
 
 def test_an_invalid_spec_is_refused_with_its_one_line_error(plane):

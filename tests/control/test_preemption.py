@@ -150,6 +150,26 @@ def test_a_higher_priority_job_preempts_a_lower_one_which_comes_back_from_its_ch
     assert any(e.type == "preemption" and f"preempts {low} (priority 0)" in e.message for e in plane.events(high))
 
 
+def test_a_preempted_job_keeps_its_place_ahead_of_an_equal_priority_job_submitted_after_it(preempt_plane):
+    # (session 35's trial: its queue age restarted at the preemption, behind every job of its
+    # priority submitted meanwhile; Slurm and Kubernetes keep the original submit time)
+    plane = preempt_plane
+    low, a, b = low_running(plane)
+    later = submit(plane, "later").job_id  # same priority, submitted while low runs: it waits
+    assert plane.get(later).state == JobState.STANDBY
+    high = preempt_to_the_boundary(plane, low, a, b, at=8)
+    launched({"wa": a, "wb": b}, 2)
+    assert plane.get(low).state == JobState.STANDBY
+    places = {j: plane.user(control_pb2.JobQuery(job_id=j)).queue_position for j in (low, later)}
+    assert places == {low: 1, later: 2}, places
+    started(plane, high, (a, b))
+    for rank, session in enumerate((a, b)):
+        plane.rank_event(session, high, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=100))
+    got = launched({"wa": a, "wb": b}, 2)
+    assert launched_jobs(got) == [("wa", low, f"{low}:2"), ("wb", low, f"{low}:2")]
+    assert plane.get(later).state == JobState.STANDBY
+
+
 def test_the_state_sequence_of_a_preempted_job(preempt_plane):
     plane = preempt_plane
     low, a, b = low_running(plane)

@@ -11,7 +11,7 @@ import pytest
 from services.contract import control_pb2, engine_pb2
 
 from .conftest import drain, launched, settle, spec_yaml, stop_plane, to_ranks
-from .test_preemption import free_slots, launched_jobs, make_plane, paused, saved, started, step
+from .test_preemption import free_slots, launched_jobs, make_plane, messages, paused, saved, started, step
 
 JobState = control_pb2.JobState
 pytestmark = pytest.mark.timeout(60)
@@ -76,7 +76,8 @@ def test_across_teams_the_preemptor_takes_the_slots_its_victim_below_its_fair_sh
         assert [j for _, j, _ in launched_jobs(got)] == [hp2.job_id, hp2.job_id], launched_jobs(got)
         s = plane.get(n2)
         assert s.state == JobState.STANDBY and s.preempted_by == hp2.job_id
-        assert plane.user(control_pb2.JobQuery(job_id=n2)).queue_position == 1
+        # (hp2's launch is sent inside the pass; the queue's places are published as it ends)
+        settle(lambda: plane.user(control_pb2.JobQuery(job_id=n2)).queue_position, 1)
         # No cycle: hp2 runs; n2 (priority 0) preempts nothing back, not hp2, not d1 (equal
         # priority), whatever passes run (a worker joining runs one; n2 does not fit its slot).
         hp2_ranks = [sessions[w] for w, cmds in got.items() if cmds]
@@ -193,3 +194,38 @@ def test_the_scheduler_s_pass_backfills_within_nominal_past_another_team_s_cohor
     assert result.waits["s2"][0] == "cohort_full"
     assert result.waits["v1b"] == ("cohort", "waits behind job s2, first in line for cohort research's idle slots")
     assert result.waits["s3"][0] == "cohort"
+
+
+def test_a_claim_whose_victim_never_frees_its_slots_is_dropped_at_its_deadline(tmp_path, store_with_no_versions):
+    """hp2 preempts n2, which has no checkpoint and whose ranks never pause: n2 keeps its slots
+    (the grace's warning). hp2's claim held it first in line, ahead of x (team vision, holding
+    nothing: first in the fair order), for ever. Now the claim ends at its deadline
+    (``preemption_claim_s``): an event says so, and hp2 waits at its place in the fair order
+    (behind x)."""
+    plane = make_plane(tmp_path / "control.db", preemption_grace_s=0.2, preemption_claim_s=1.5)
+    try:
+        sessions = {w: plane.register(w) for w in ("wa", "wb", "wc")}
+        d1, _ = running(plane, sessions, "d1", "default", 1)
+        n2 = submit(plane, "n2", "nlp", 2).job_id  # (no checkpoint: it cannot move from one)
+        got = launched(sessions, 2)
+        n2_ranks = [sessions[w] for w, cmds in sorted(got.items()) if any(c.launch.ranks for c in cmds)]
+        started(plane, n2, n2_ranks)
+        hp2 = submit(plane, "hp2", "default", 2, priority=10).job_id
+        assert plane.get(n2).preempted_by == hp2
+        x = submit(plane, "x", "vision", 1).job_id
+        assert plane.user(control_pb2.JobQuery(job_id=hp2)).queue_position == 1  # (the claim)
+        settle(lambda: any("keeps its slots" in m for m in messages(plane, n2)), True)  # (the grace ran out)
+        assert plane.user(control_pb2.JobQuery(job_id=hp2)).queue_position == 1  # (claimed still)
+        settle(lambda: [e.message for e in plane.events(hp2) if e.message.startswith("claim dropped")] != [], True)
+        (dropped,) = [e for e in plane.events(hp2) if e.message.startswith("claim dropped")]
+        assert dropped.type == "preemption"
+        assert dropped.message == (
+            f"claim dropped: the preemption of {n2} did not start it within 1.5 s: job {n2} still holds the "
+            "slots (no checkpoint of the preemption's pause); it waits at its place in the queue (fair order), "
+            "position 2 of 2"
+        ), dropped.message
+        settle(lambda: plane.user(control_pb2.JobQuery(job_id=hp2)).queue_position, 2)
+        assert plane.user(control_pb2.JobQuery(job_id=x)).queue_position == 1
+        assert plane.get(n2).state == JobState.RUNNING and plane.get(d1).state == JobState.RUNNING
+    finally:
+        stop_plane(plane.c)

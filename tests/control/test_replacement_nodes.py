@@ -349,7 +349,9 @@ def test_a_replacements_node_agent_gone_silent_while_the_rebuild_waits_is_rebuil
     # node is held and, to this job, lost: the waiting replacement is placed again.
     beat(plane, w["wb"], seconds_ago=AGENT_MISSED_BEATS + 1.0)
     settle(lambda: len(decisions(plane, job_id)), 2)
-    assert decisions(plane, job_id)[1].startswith("rebuild after worker_lost of rank 1 on wb"), decisions(plane, job_id)
+    assert decisions(plane, job_id)[1].startswith("rebuild after worker_lost (agent_silent) of rank 1 on wb"), (
+        decisions(plane, job_id)
+    )
     faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
     assert any("worker_lost (agent_silent): the replacement of rank(s) 1 waits on wb" in f for f in faults), faults
     launched_on(w["wc"], [1])

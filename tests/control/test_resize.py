@@ -12,7 +12,7 @@ import time
 import pytest
 
 from services.contract import control_pb2, engine_pb2, worker_pb2
-from services.control.orchestrator import IllegalTransition
+from services.control.orchestrator import IllegalTransition, InsufficientResources
 from services.jobspec import JobSpecError, spec_from_json
 
 from .conftest import Plane, drain, to_ranks
@@ -160,31 +160,58 @@ def test_surgectl_scale_grows_and_shrinks_a_running_job_without_touching_the_ran
     assert decisions(plane, job_id)[-1].startswith("scale by the operator: parallel.dp 4 -> 1")
 
 
-def test_a_scale_whose_new_ranks_do_not_fit_leaves_the_job_running_at_its_size(plane):
+def test_a_scale_whose_new_ranks_do_not_fit_is_refused_before_any_rank_pauses(plane):
+    """`surgectl scale J --dp 4` with no free slot: refused at once with the line a submit that
+    does not fit gets, no rank paused (was: the ranks paused, then "no free slot for new rank
+    2" and they went on at dp 2: a fresh operator's trial)."""
     job_id, w = running(plane, "wa", "wb", dp=2, extra="")
     for session in w.values():
         drain(session)
-    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
-    (pause,) = routed(w["wa"], "PauseTraining")
-    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
-    (not_done,) = [e.message for e in plane.events(job_id) if e.type == "scale"]
-    assert "scale by the operator to dp 4 not done:" in not_done and "no free slot for new rank 2" in not_done
-    assert not_done.endswith(f"the ranks go on at dp 2 from step {pause.at_step}"), not_done
-    (resume,) = routed(w["wa"], "ResumeTraining")
-    assert not resume.rebuild  # a plain resume: the same group goes on
-    assert commands(w["wb"]) == [("routed", "PauseTraining"), ("routed", "ResumeTraining")]  # nothing released
+    before = len(plane.events(job_id))
+    with pytest.raises(InsufficientResources) as refused:
+        plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
+    assert refused.value.refusal == control_pb2.REFUSED_NO_CAPACITY
+    assert str(refused.value) == (
+        "--dp 4: needs 2 more ranks (dp 2 -> 4); 0 are free on 2 registered workers; "
+        "not scaled: the job goes on at dp 2 (no rank paused)"
+    )
+    assert all(drain(session) == [] for session in w.values())  # no PauseTraining, nothing else
+    assert len(plane.events(job_id)) == before  # nothing decided or recorded
     s = plane.get(job_id)
     assert (s.state, s.world_size, s.dp) == (JobState.RUNNING, 2, 2)
+    other = plane.submit(name="other", dp=2, extra="")  # (the submit's reason: the same allocator line)
+    assert "0 are free on 2 registered workers" in other.message, other.message
     # Asked again at its own size it is a no-op; a new micro-batch split at the same size is
     # a resize like any other (every rank gets the layout).
     assert plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=2)).dp == 2
-    assert not [e for e in plane.events(job_id) if e.message.startswith("scale by the operator: parallel")][1:]
+    assert not [e for e in plane.events(job_id) if e.message.startswith("scale by the operator: parallel")]
     plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=2, micro_batch_size=1))
     (pause,) = routed(w["wa"], "PauseTraining")
     drain(w["wb"])
     paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
     (group,) = routed(w["wa"], "RebuildParallelGroup")
     assert (group.world_size, group.layout.dp, group.layout.micro_batch_size, group.layout.grad_accum) == (2, 2, 1, 2)
+
+
+def test_a_scale_whose_free_slot_is_taken_while_the_ranks_pause_goes_on_at_its_size(plane):
+    """The slot the scale's probe found is taken before the ranks paused (another job started
+    on it): the rebuild is refused and the paused ranks go on at the old size."""
+    job_id, w = running(plane, "wa", "wb", "wc", "wd", dp=2, extra="")
+    for session in w.values():
+        drain(session)
+    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
+    (pause,) = routed(w["wa"], "PauseTraining")
+    other = plane.submit(name="other", dp=1, extra="")
+    assert other.state == JobState.WARMING_UP  # (on wc's slot)
+    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
+    (not_done,) = [e.message for e in plane.events(job_id) if e.type == "scale"]
+    assert "scale by the operator to dp 4 not done:" in not_done and "no free slot for new rank 3" in not_done
+    assert not_done.endswith(f"the ranks go on at dp 2 from step {pause.at_step}"), not_done
+    (resume,) = routed(w["wa"], "ResumeTraining")
+    assert not resume.rebuild  # a plain resume: the same group goes on
+    assert commands(w["wb"]) == [("routed", "PauseTraining"), ("routed", "ResumeTraining")]  # nothing released
+    s = plane.get(job_id)
+    assert (s.state, s.world_size, s.dp) == (JobState.RUNNING, 2, 2)
 
 
 @pytest.mark.parametrize("when", ["rebuilding", "pausing"])
@@ -382,3 +409,62 @@ def test_a_shrink_by_scale_starts_the_job_queued_for_the_slots_it_frees(plane):
     settle(lambda: plane.get(waiting.job_id).queue_position, 0)
     launched = [m for k, m in commands(w["wb"]) if k == "launch" and m.job_id == waiting.job_id]
     assert len(launched) == 1 and [a.rank for a in launched[0].ranks] == [0]
+
+
+@pytest.mark.parametrize("queued_priority", [0, 7, -1])
+def test_a_scale_does_not_take_the_slots_a_queued_job_of_its_priority_or_higher_waits_for(plane, queued_priority):
+    """The fairness a grow-back after a shrink gets (grow_rule.py's rule 2): a running job's
+    growth does not take free slots while a queued job of its priority or higher waits for
+    slots; it is refused before any rank pauses, naming that job. A queued job of a lower
+    priority does not hold it back. (Was: the scale took 2 of the 3 free slots the queued
+    dp 4 job waited for.)"""
+    from .conftest import spec_yaml
+
+    w = {name: plane.register(name) for name in ("wa", "wb", "wc", "wd", "we")}
+    job_id = plane.submit(dp=2, steps=20).job_id
+    for rank, name in enumerate(("wa", "wb")):
+        plane.rank_event(w[name], job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    waits = plane.user(
+        control_pb2.SubmitJobRequest(spec_yaml=spec_yaml("waits", dp=4), spec_path="job.yaml", priority=queued_priority)
+    )
+    assert waits.queue_position == 1 and "3 are free" in waits.message, waits.message
+    for session in w.values():
+        drain(session)
+    if queued_priority < 0:
+        plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
+        (pause,) = routed(w["wa"], "PauseTraining")  # (a lower priority waits behind it, as at a submit)
+        return
+    with pytest.raises(InsufficientResources) as refused:
+        plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
+    assert str(refused.value) == (
+        f"--dp 4: job {waits.job_id} (priority {queued_priority}) waits in the queue for slots, at position 1; "
+        "a running job grows only past queued jobs of a lower priority than its own (0); "
+        "not scaled: the job goes on at dp 2 (no rank paused)"
+    )
+    assert all(drain(session) == [] for session in w.values())
+    assert (plane.get(job_id).state, plane.get(job_id).dp) == (JobState.RUNNING, 2)
+
+
+def test_a_scale_beyond_its_teams_hard_limit_is_refused_before_any_rank_pauses(plane):
+    """A submit's quota admission holds for a scale's growth too (as for a grow-back,
+    teams.py ``_grow_room``): team vision may hold 2 slots; its dp 2 job is not scaled to
+    dp 4 though 2 slots are free (was: it paused and grew to 4 slots)."""
+    from .conftest import spec_yaml
+    from .test_teams import set_team
+
+    set_team(plane, "vision", hard_limit=2)
+    w = {name: plane.register(name) for name in ("wa", "wb", "wc", "wd")}
+    text = spec_yaml(dp=2, steps=20, extra="team: vision")
+    job_id = plane.user(control_pb2.SubmitJobRequest(spec_yaml=text, spec_path="job.yaml")).job_id
+    for rank, name in enumerate(("wa", "wb")):
+        plane.rank_event(w[name], job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    for session in w.values():
+        drain(session)
+    with pytest.raises(InsufficientResources) as refused:
+        plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
+    assert str(refused.value) == (
+        "--dp 4: 2 more slots: team vision at its hard limit (2 of 2 slots held, this job needs 2); "
+        "not scaled: the job goes on at dp 2 (no rank paused)"
+    )
+    assert all(drain(session) == [] for session in w.values())
+    assert plane.get(job_id).dp == 2

@@ -79,3 +79,32 @@ def test_a_finished_and_a_stopped_job_retire_their_series(retired, retired_check
     assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
     assert retired[1:] == [(other, "STOPPED", True)]
     assert retired_checkpoints[1:] == [(other, "STOPPED")]
+
+
+def test_a_preempted_job_s_series_are_retired_as_it_waits_in_the_queue(monkeypatch, tmp_path, store_with_no_versions):
+    """Session 35: a preempted job waited STANDBY for 14 minutes while the store still exported
+    its tokens/s and step (Prometheus saw a queued job as training). Leaving RUNNING for the
+    queue retires its series like an end (``queued``: whatever comes meanwhile), not its
+    checkpoints' (it continues from them); it comes back by recording when it runs again."""
+    from .test_preemption import low_running, make_plane, preempt_to_the_boundary, stop_plane
+
+    got: list[tuple[str, str, bool, bool]] = []
+    monkeypatch.setattr(
+        StoreRelay,
+        "retire_metric_series",
+        lambda self, msg, payload=None: got.append((msg.job_id, msg.reason, msg.ended, msg.queued)),
+    )
+    checkpoints: list[str] = []
+    monkeypatch.setattr(
+        StoreRelay, "retire_checkpoint_series", lambda self, msg, payload=None: checkpoints.append(msg.job_id)
+    )
+    p = make_plane(tmp_path / "control.db")
+    try:
+        low, a, b = low_running(p)
+        assert got == []
+        preempt_to_the_boundary(p, low, a, b)
+        assert p.get(low).state == JobState.STANDBY
+        assert got == [(low, "queued", False, True)]
+        assert checkpoints == []  # (its versions are what it continues from)
+    finally:
+        stop_plane(p.c)

@@ -153,3 +153,19 @@ def test_a_version_its_retention_removed_is_refused_up_front(plane, store):  # n
         rollback(plane, job_id, v1)
     assert len(plane.events(job_id)) == before and routed(w["wa"]) == []
     assert plane.c.orchestrator._jobs[job_id].versions == [(8, v2)]
+
+
+def test_a_rollback_asked_again_while_in_flight_is_folded_and_says_so(plane, store):  # noqa: F811
+    # An operator's trial: the second `surgectl rollback` printed the line of a new rollback,
+    # though control folded it into the first. Its reply now names the rollback in flight.
+    job_id, w = running(plane, "wa", "wb")
+    v1, _ = saved(plane, w["wa"], job_id, 1, step=4), saved(plane, w["wa"], job_id, 2, step=8)
+    first = rollback(plane, job_id, v1)
+    assert (first.rollback_in_flight, first.rollback_asked_unix) == ("", 0.0)  # (a new one: nothing folded)
+    asked = plane.c.orchestrator._jobs[job_id].reload.asked_unix
+    assert asked > 0
+    for again in (v1, ""):  # the same version, or none named (the newest usable: the one in flight)
+        folded = rollback(plane, job_id, again)
+        assert (folded.rollback_in_flight, folded.rollback_asked_unix) == (v1, asked)
+    assert [type(m).__name__ for m in routed(w["wb"])] == ["PauseTraining"]  # one rollback asked of the ranks
+    assert plane.get(job_id).rollback_in_flight == ""  # (a query is no answer to an ask)

@@ -9,6 +9,8 @@ apart (before: the placeable ones only, called "registered")."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -185,4 +187,31 @@ def test_a_job_beyond_every_registered_slot_says_so_even_behind_a_job_first_in_l
         f"queued: waits behind job {q.job_id}, first in line for slots to free up",
     )
     assert plane.get(huge.job_id).cannot_run == "" and gauge("cluster") == 1  # (g still)
+    drain(w)
+
+
+def scraped(name: str) -> float:
+    """An unlabelled gauge of control's as a scrape reads it."""
+    for family in ClusterCollector().collect():
+        if family.name == name:
+            return family.samples[0].value
+    raise AssertionError(f"no {name} gauge")
+
+
+def test_the_queue_wait_gauge_leaves_out_jobs_that_can_never_run(plane):
+    """``surge_queue_wait_seconds`` is an SRE's queue-wait alert: a job that can never run as
+    things stand (counted by ``surge_queue_cannot_run``) is no wait that a turn ends; before, it
+    held the gauge at its own wait, growing for ever."""
+    w = plane.register("w", slots=2)
+    huge = submit(plane, "huge", "lab", 3)
+    assert huge.cannot_run == "cluster"
+    time.sleep(1.1)
+    assert (scraped("surge_queue_length"), scraped("surge_queue_wait_seconds")) == (1, 0)
+    r = submit(plane, "r", "lab", 2)
+    since = time.time()
+    later = submit(plane, "later", "lab", 1)  # waits its turn behind r
+    assert (r.state, later.state, later.cannot_run) == (JobState.WARMING_UP, JobState.STANDBY, "")
+    wait = scraped("surge_queue_wait_seconds")
+    assert 0 <= wait <= time.time() - since  # later's wait, not huge's (>= 1.1 s longer)
+    assert scraped("surge_queue_length") == 2  # (both are queued: the length counts every one)
     drain(w)

@@ -63,6 +63,8 @@ def test_a_preempted_borrower_back_from_the_queue_records_its_borrowed_slots_and
         plane.user(control_pb2.StopJobRequest(job_id=owner))  # a's slot idle again: b borrows it back
         got = launched({"wa": wa, "wb": wb}, 2)
         assert launched_jobs(got) == [("wa", borrower, f"{borrower}:2"), ("wb", borrower, f"{borrower}:2")]
+        # (its launch is sent inside the decision; its status is published as the decision ends)
+        settle(lambda: plane.get(borrower).state, JobState.WARMING_UP)
         back = plane.get(borrower)
         assert back.state == JobState.WARMING_UP and back.borrowed_slots == 1
         assert any("(1 on capacity its team borrowed)" in m for m in messages(plane, borrower) if "resume" in m)

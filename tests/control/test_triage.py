@@ -19,6 +19,7 @@ from services.control.orchestrator.triage import (
     NORMAL_END,
     RELEASED,
     RESUMED,
+    STALE,
     triage,
 )
 from services.jobspec import parse_job_spec
@@ -29,7 +30,9 @@ JobState = control_pb2.JobState
 SPEC = parse_job_spec(spec_yaml(dp=4))
 
 
-def report(fault_class: str, rank: int, *, detected: float = 0.0, occurred: float = 0.0) -> control_pb2.FaultReport:
+def report(
+    fault_class: str, rank: int, *, detected: float = 0.0, occurred: float = 0.0, replaced: bool = False
+) -> control_pb2.FaultReport:
     return control_pb2.FaultReport(
         job_id="j",
         grade=control_pb2.SEVERE,
@@ -37,6 +40,7 @@ def report(fault_class: str, rank: int, *, detected: float = 0.0, occurred: floa
         rank=rank,
         detected_unix=detected,
         occurred_unix=occurred,
+        replaced=replaced,
     )
 
 
@@ -97,6 +101,21 @@ CASES = [
     ("resumed: a release of a rank not dying", job(activity=incident(resumed=True)), report("rank_released", 3), RESUMED),
     ("relaunched again: a report graded before", relaunched_again(), report("rank_silent", 1, detected=90.0), CONSEQUENCE),
     ("relaunched again: a report graded after", relaunched_again(), report("rank_silent", 1, detected=110.0), NEW_INCIDENT),
+    # The end of an incarnation the job replaced (its generation older than its rank's newest),
+    # come up late: its agent was frozen past its deadline (session 36, F2), it reconnected, or
+    # control restarted. Never a new incident, whatever its class or when it comes.
+    ("a replaced rank's exit, running", job(), report("rank_exit", 0, replaced=True), STALE),
+    ("a replaced rank's exit, after the recovery", recovered(), report("rank_exit", 0, occurred=90.0, replaced=True), STALE),
+    ("a replaced rank's clean exit", job(finished={0: False}), report("rank_exit_clean", 0, replaced=True), STALE),
+    ("a replaced rank's OOM kill", job(), report("rank_oom", 1, replaced=True), STALE),
+    ("a replaced rank lost with its node", job(), report("worker_lost", 1, replaced=True), STALE),
+    ("replaced, another recovery in flight", job(activity=incident(dying={2: 1})), report("rank_exit", 0, replaced=True), STALE),
+    ("resumed: a replaced rank's exit", job(activity=incident(resumed=True)), report("rank_exit", 3, replaced=True), STALE),
+    # ... unless an incident expects it (its kill) or control asked for it: as before.
+    ("a dying rank's exit, replaced", job(activity=incident(dying={2: 1})), report("rank_exit", 2, replaced=True), CONSEQUENCE),
+    ("resumed: a killed rank's exit, replaced", job(activity=incident(dying={1: 1}, resumed=True)), report("rank_exit", 1, replaced=True),
+     CONSEQUENCE),
+    ("a replaced rank's release", job(), report("rank_released", 0, replaced=True), RELEASED),
 ]  # fmt: skip
 
 

@@ -45,7 +45,7 @@ class Canned:
 
     def jobs(self):
         return control_pb2.JobList(
-            jobs=[control_pb2.JobStatus(job_id="demo-1", name="demo", state=control_pb2.RUNNING)]
+            jobs=[control_pb2.JobStatus(job_id="demo-1", name="demo", state=control_pb2.RUNNING, world_size=4)]
         )
 
     def resolve(self, ref):  # (the CLI's rule over this list, as Sources.resolve reads control's)
@@ -163,6 +163,10 @@ def test_the_job_pages_rank_is_a_whole_number_shown_in_its_form(base):
         assert r.status == 400 and "rank: expected a whole number &gt;= 0" in body, (bad, body)
     r, body = get(base, "/job/demo-1?rank=3", headers=auth)
     assert r.status == 200 and '<form id=rank-pick action="/job/demo-1" method=get>' in body
+    # A rank the job does not have: said, not rank 0's curves under another rank's name (a new
+    # user's trial: /job/J?rank=5 of a dp 2 job answered 200 with rank 0's curves).
+    r, body = get(base, "/job/demo-1?rank=4", headers=auth)
+    assert r.status == 404 and "rank: demo-1 has no rank 4 (its ranks are 0-3)" in body, body
 
 
 def test_only_a_certificate_naming_the_operators_role_passes_under_mutual_tls():

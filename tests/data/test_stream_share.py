@@ -173,3 +173,29 @@ def test_a_stream_that_hangs_up_mid_way_does_not_disturb_its_peers(dataset, root
         wait_until(lambda: servicer.streams_open == 0 and relays[0]._closed, "the pipeline closed")
     expected = reference(root, req)
     assert head == expected[:3] and got[0] == got[1] == expected
+
+
+def test_a_stream_that_asks_for_several_batches_per_message_gets_the_same_sequence_in_fewer_messages(dataset, root):
+    # issue 28 item 3: the rank's relay asks for up to 4 micro-batches per stream message; the
+    # service sends what its pipeline holds (never more than asked, never waiting to fill one),
+    # the later ones in the first's `more`, and the sequence is the one a stream of one batch
+    # per message gets, in order; a peer asking for one per message shares the pipeline's batches.
+    req = open_stream(rank=0, world_size=1, repeat=True, max_batches=30)
+    windowed = data_pb2.OpenStream()
+    windowed.CopyFrom(req)
+    windowed.batches_per_message = 4
+    with data_service(root) as (servicer, stub, gate, relays):
+        gate.set()
+        messages = list(stub.Stream(windowed))
+        alone = []
+        read_all(stub, req, alone)
+    flat = []
+    for m in messages:
+        assert all(not b.more for b in m.more)  # never nested
+        rest = list(m.more)
+        m.ClearField("more")
+        flat += [m.SerializeToString(), *(b.SerializeToString() for b in rest)]
+    expected = reference(root, req)
+    assert len(expected) == 30 and flat == expected and alone == expected
+    assert max(1 + len(m.more) for m in messages) <= 4
+    assert len(messages) < 30  # (READ_AHEAD 2: the pipeline holds 2 or more when asked)

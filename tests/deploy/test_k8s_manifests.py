@@ -28,7 +28,7 @@ K8S_S3 = REPO / "deploy" / "k8s-s3"  # the S3 variant: an overlay of K8S (not in
 # The oldest and the newest Kubernetes whose schemas the pinned kubernetes-validate carries
 # that we claim: the manifests use nothing newer than 1.30's API.
 KUBERNETES_VERSIONS = ("1.30", "1.37")
-OPTIONAL = {"servicemonitor.yaml"}  # a CRD's kind: not in the default kustomization
+OPTIONAL = {"servicemonitor.yaml", "prometheusrule.yaml"}  # CRDs' kinds: not in the default kustomization
 COMPONENTS = {"control": 50051, "store": 50052, "data": 50053, "worker": 50060}
 METRICS_PORT = 9100
 # Variables the manifests set that are not Surge's own (each read by a library Surge uses).
@@ -379,7 +379,7 @@ def test_every_manifest_passes_the_strict_schemas(version):
     for path in manifest_files():
         for doc in load(path):
             if path.name in OPTIONAL:
-                continue  # the ServiceMonitor: no schema for a CRD here (test below)
+                continue  # the ServiceMonitor, the PrometheusRule: no schema for a CRD here (tests below)
             kubernetes_validate.validate(doc, version, strict=True)  # raises on the first error
             checked.append(f"{doc['kind']}/{doc['metadata']['name']}")
     kinds = {c.split("/")[0] for c in checked}
@@ -551,6 +551,16 @@ def test_the_service_monitor_scrapes_every_surge_service_with_honored_labels():
         assert endpoint["honorLabels"] is True  # Surge's own `job` label is the training job
         for s in selected:
             assert endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}, s["metadata"]["name"]
+
+
+def test_the_prometheus_rule_holds_the_same_alert_rules_as_the_compose_prometheus():
+    # One set of rules (deploy/rules/surge-alerts.yml, loaded by deploy/prometheus.yml); the
+    # operator's copy must not drift from it.
+    (rule,) = load(K8S / "prometheusrule.yaml")
+    assert rule["apiVersion"] == "monitoring.coreos.com/v1" and rule["kind"] == "PrometheusRule"
+    compose_rules = yaml.safe_load((REPO / "deploy" / "rules" / "surge-alerts.yml").read_text())
+    assert rule["spec"] == compose_rules
+    assert rule["metadata"]["labels"]["app.kubernetes.io/part-of"] == "surge"
 
 
 def test_kubectl_kustomize_builds_the_listed_resources():

@@ -182,3 +182,32 @@ def test_a_pause_with_no_save_in_flight_commits_nothing_and_pauses(tmp_path):
     rank.command(engine_pb2.StopTraining(job_id="job", seq=2))
     t.join(30)
     assert rank.store.committed == [] and rank.up.of(engine_pb2.TrainingLoopFinished)[0].step == 3
+
+
+def test_a_checkpointing_pause_while_paused_without_one_saves_the_paused_step_and_stays_paused(tmp_path):
+    """A drain of a job whose pause has no checkpoint of its step (its save failed, or the
+    operator paused it without one): L1-1 sends the paused ranks a PauseTraining with
+    ``checkpoint``. They save the step they are paused at, in place, and report paused again
+    at it; no step is trained (was: they resumed and saved the next boundary: one step more,
+    a fresh operator's trial). The next boundary command is agreed as before."""
+    rank = LocalRank(tiny_spec(steps=8), tmp_path)
+    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2, seq=1))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    wait_for(rank, t, engine_pb2.TrainingLoopPaused)
+    assert rank.store.committed == []
+    rank.command(engine_pb2.PauseTraining(job_id="job", checkpoint=True, seq=2))
+    for _ in range(300):
+        if len(rank.up.of(engine_pb2.TrainingLoopPaused)) == 2:
+            break
+        t.join(0.1)
+    assert [p.step for p in rank.up.of(engine_pb2.TrainingLoopPaused)] == [2, 2]
+    assert [c.step for c in rank.store.committed] == [2]
+    assert [s.step for s in rank.steps()] == [1, 2]  # nothing trained past the pause
+    assert kinds(rank)[-2:] == ["SaveCompleted", "TrainingLoopPaused"]
+    rank.command(engine_pb2.ResumeTraining(job_id="job"))  # (the drain undone: `up`)
+    rank.command(engine_pb2.StopTraining(job_id="job", checkpoint=True, seq=3))  # agreed after #2
+    t.join(60)
+    (fin,) = rank.up.of(engine_pb2.TrainingLoopFinished)
+    assert rank.error is None and fin.stopped and fin.step > 2
+    assert [c.step for c in rank.store.committed] == [2, fin.step]

@@ -26,7 +26,7 @@ import pytest
 from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, store_pb2, store_pb2_grpc
 from services.rank.faults import lift_pace
-from tests.conftest import kill_all
+from tests.conftest import kill_all, stop_process
 from tests.faults.test_recovery import causes, finished, metric, of_type, parent_pid
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
@@ -54,7 +54,13 @@ REBUILD = "fault_policy: {actions: {rank_exit: rebuild, rank_silent: rebuild, wo
 # Rank 1 of "fstop" and "ffrozen" waits before step 7 until the test lifts the pace: its SIGSTOP
 # lands before the step-10 save whatever the machine's load (a stop during that save drops it
 # with its group).
-INJECT = "fagent:hang@12:rank=1,fstop:slow_steps@7:rank=1:seconds=120,ffrozen:slow_steps@7:rank=1:seconds=120"
+# Rank 1 of "fzero" waits before step 12 (every incarnation, until the test lifts the pace):
+# rank 0 waits in that step's all-reduce while its node agent is frozen, and the relaunched
+# generation is still training (paced) when the frozen agent wakes.
+INJECT = (
+    "fagent:hang@12:rank=1,fstop:slow_steps@7:rank=1:seconds=120,ffrozen:slow_steps@7:rank=1:seconds=120,"
+    "fzero:slow_steps@12:rank=1:seconds=120"
+)
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +134,19 @@ def same_losses(got: dict[int, float], want: dict[int, float]) -> None:
     assert differ == [], f"losses differ at steps {differ}"
 
 
+def _until_recovered(stack, job: str, never: str) -> None:
+    """Until the job's first step after its recovery from worker_lost (120 s: else ``never``)."""
+    t0 = time.monotonic()
+    query = control_pb2.JobQuery(job_id=job)
+    while not [
+        e
+        for e in stack.stub.WatchJob(query, timeout=30)
+        if e.message.startswith("first step after the recovery from worker_lost")
+    ]:
+        assert time.monotonic() - t0 < 120, never
+        time.sleep(0.2)
+
+
 def test_a_rank_stopped_past_its_timeout_is_replaced_and_ended_by_its_agent_when_continued(stack, baseline):
     job = stack.submit(JOB.format(name="fstop", steps=STEPS, policy=REBUILD))
     stack.wait_step(job, 6)
@@ -174,15 +193,7 @@ def test_a_replacement_avoids_a_frozen_agent_and_the_incarnation_it_froze_is_end
     frozen = time.time()
     os.kill(agent, signal.SIGSTOP)  # the node agent, not the rank: the rank runs on, unheard
     try:
-        t0 = time.monotonic()
-        query = control_pb2.JobQuery(job_id=job)
-        while not [
-            e
-            for e in stack.stub.WatchJob(query, timeout=30)
-            if e.message.startswith("first step after the recovery from worker_lost")
-        ]:
-            assert time.monotonic() - t0 < 120, "rank 1 was never replaced while its agent was frozen"
-            time.sleep(0.2)
+        _until_recovered(stack, job, "rank 1 was never replaced while its agent was frozen")
         replaced = time.time()
         assert alive(victim)  # its agent is frozen: nobody has ended it yet
     finally:
@@ -198,14 +209,16 @@ def test_a_replacement_avoids_a_frozen_agent_and_the_incarnation_it_froze_is_end
     # The agent's fault, named (session 34: its healthy rank was named silent): its own beats
     # stopped, and with them the rank's it relays.
     (fault,) = causes(events, "SEVERE worker_lost")
-    assert fault.message.startswith("SEVERE worker_lost: the node agent of "), fault.message
-    frozen_worker = fault.message.removeprefix("SEVERE worker_lost: the node agent of ").split()[0]
+    assert fault.message.startswith("SEVERE worker_lost (agent_silent): the node agent of "), fault.message
+    frozen_worker = fault.message.removeprefix("SEVERE worker_lost (agent_silent): the node agent of ").split()[0]
     (relaunch,) = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched on ")]
     workers = relaunch.removeprefix("ranks killed and relaunched on ").split(" (rendezvous")[0].split(", ")
     assert len(workers) == 2 and frozen_worker not in workers, relaunch  # the free worker, not the frozen one
     # The woken agent's backlog (the old incarnation's beats) opened no incident.
     decisions = of_type(events, "decision")[1:]
-    assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after worker_lost of rank 1"), decisions
+    assert len(decisions) == 1 and decisions[0].startswith(
+        "restart_ranks after worker_lost (agent_silent) of rank 1"
+    ), decisions
     same_losses(stack.losses(job), baseline[0])
     assert committed_steps(stack, job) == baseline[1]
     dropped = fenced_count(stack.metrics_port, "control") - before
@@ -215,6 +228,86 @@ def test_a_replacement_avoids_a_frozen_agent_and_the_incarnation_it_froze_is_end
         f"replaced on another worker and trained on {replaced - frozen:.2f} s after it; once the agent woke, the "
         f"old incarnation ended {ended - woke:.2f} s later; control dropped {dropped:.0f} of its events "
         f"(store refusals {store_refused:.0f})"
+    )
+
+
+def test_the_exit_of_a_replaced_generation_that_comes_up_late_is_recorded_stale_never_a_second_incident(
+    stack, baseline
+):
+    """F2 of session 36's trial: rank 0's node agent is frozen past its deadline. The job is
+    relaunched off that node (one restart spent); the old rank 0 trains on unheard, fails its
+    all-reduce when its peer is killed and exits while its agent is stopped. That exit comes
+    up once the agent wakes, after the new generation trains: L1-3 grades it stale (its
+    generation was replaced), L1-1 records the old incarnation's end and decides nothing: no
+    second restart, no second relaunch, no fault counted."""
+    job = stack.submit(JOB.format(name="fzero", steps=STEPS, policy=""))
+    stack.wait_step(job, 11)  # rank 1 waits before step 12 (paced), rank 0 in its all-reduce
+    (old,) = stack.rank_pids(job, 0)
+    agent = parent_pid(old)
+    exits_before = exit_faults(stack.metrics_port)
+    death = DeathWatch(old)
+    stop_process(agent)  # the node agent, not the rank: the rank runs on, unheard
+    try:
+        _until_recovered(stack, job, "rank 0 was never replaced while its agent was frozen")
+        # Its peer was killed: the old rank 0's all-reduce broke and it ends, unheard.
+        death.wait(60.0)
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    try:
+        # The woken agent's backlog (the old rank's failure and exit) is applied before the pace
+        # is lifted, so the job is still running (in its new generation) when it comes.
+        t0 = time.monotonic()
+        query = control_pb2.JobQuery(job_id=job)
+        frozen_worker = _frozen_worker(stack.stub.WatchJob(query, timeout=30))
+        while not [e for e in stack.stub.WatchJob(query, timeout=30) if _old_end(e, frozen_worker)]:
+            assert time.monotonic() - t0 < 60, "the old rank 0's exit never came up"
+            time.sleep(0.2)
+    finally:
+        lift_pace(stack.home / "run" / "faults", job)
+        kill_all([old])
+    events = stack.events(job)
+    finished(events)
+    (fault,) = causes(events, "SEVERE worker_lost")
+    assert _frozen_worker(events) == frozen_worker
+    decisions = of_type(events, "decision")[1:]
+    assert len(decisions) == 1 and decisions[0].startswith(
+        "restart_ranks after worker_lost (agent_silent) of rank 0"
+    ), decisions
+    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched on ")]
+    assert len(relaunches) == 1, relaunches
+    assert not [m for m in of_type(events, "fault") if " rank_exit" in m and f"rank 0 on worker {frozen_worker}" in m]
+    (stale,) = [e for e in events if _old_end(e, frozen_worker)]
+    assert stale.type == "rank", stale.message  # (the old incarnation's end, recorded: no fault)
+    counted = exit_faults(stack.metrics_port) - exits_before
+    assert counted == 0, counted  # (surge_faults_total: the old end is no fault)
+    same_losses(stack.losses(job), baseline[0])
+    print(
+        f"node agent of rank 0 frozen, its old rank ended unheard; once the agent woke its exit was recorded "
+        f"stale ({stale.message!r}), {stale.unix_time - fault.unix_time:.2f} s after the agent was declared silent"
+    )
+
+
+def _old_end(event, worker: str) -> bool:
+    """An event about the old rank 0's end on ``worker`` (decided as a fault, or recorded as the
+    end of a replaced generation)."""
+    return f"rank 0 on worker {worker} ended" in event.message or (
+        event.type == "rank" and event.message.startswith("rank 0 ") and "replaced" in event.message
+    )
+
+
+def _frozen_worker(events) -> str:
+    (fault,) = causes(list(events), "SEVERE worker_lost")
+    assert fault.message.startswith("SEVERE worker_lost (agent_silent): the node agent of "), fault.message
+    return fault.message.removeprefix("SEVERE worker_lost (agent_silent): the node agent of ").split()[0]
+
+
+def exit_faults(port: int) -> float:
+    """surge_faults_total of control for the class rank_exit (every grade)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("surge_faults_total{") and 'class="rank_exit"' in line
     )
 
 

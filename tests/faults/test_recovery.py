@@ -372,7 +372,7 @@ def test_sigkill_of_a_rank_while_its_peer_waits_in_the_all_reduce_kills_the_surv
 def rank_exit_counts(text: str) -> dict[str, float]:
     """Control's rank_exit faults, their detection latencies and recoveries (counts)."""
     return {
-        "faults": metric(text, "surge_faults_total", grade="SEVERE", **{"class": "rank_exit"}),
+        "faults": metric(text, "surge_faults_total", grade="SEVERE", role="cause", **{"class": "rank_exit"}),
         "detections": metric(text, "surge_fault_detection_latency_seconds_count", **{"class": "rank_exit"}),
         "recoveries": metric(text, "surge_recovery_seconds_count", **{"class": "rank_exit"}),
     }
@@ -478,6 +478,15 @@ def test_an_evaluation_job_through_the_queue_records_its_scores_and_a_failing_on
     bad = cli(stack.home, "evaluate", job, "--command", f"{sys.executable} -c 'import sys; sys.exit(4)'", "--wait")
     assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stdout + bad.stderr
     assert "FAILED" in bad.stderr and "exited with code 4" in bad.stderr and "sys.exit(4)" in bad.stderr, bad.stderr
+    # A command that is not on the node: its node agent refuses the rank's launch (typed
+    # EXIT_NOT_STARTED, rank_not_started FATAL), the job FAILED at once: no restart, no load.
+    missing = cli(stack.home, "evaluate", job, "--command", "/nonexistent/eval --tasks x", "--wait")
+    assert missing.returncode == 1 and len(missing.stderr.strip().splitlines()) == 1, missing.stdout + missing.stderr
+    assert "FAILED" in missing.stderr and "rank_not_started" in missing.stderr, missing.stderr
+    assert "launch refused: evaluation command `/nonexistent/eval`: no such file on this node" in missing.stderr
+    missing_id = missing.stdout.split("evaluation job ", 1)[1].split()[0]
+    decided = [e.message for e in stack.events(missing_id) if e.type == "decision"]
+    assert not [m for m in decided if "restart_ranks" in m], decided
     after = stack.status(job)
     assert (after.state, after.outcome, after.step, after.message) == (
         before.state,

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from services.contract import control_pb2
-from tests.faults.test_compound import committed_versions, events_so_far, wait_for
+from tests.faults.test_compound import committed_versions, events_so_far, services, wait_for
 from tests.faults.test_recovery import JobOutcome, JobState, cli, of_type, running_stack, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -142,3 +142,62 @@ def test_a_refused_save_is_typed_training_goes_on_the_next_save_commits_and_stop
         refuser.allow()
     assert events[-1].status.outcome == JobOutcome.STOPPED, events[-1].message
     assert events[-1].status.checkpoint_step < events[-1].status.step  # its stop checkpoint was refused
+
+
+def _every_service_alive(home: Path) -> bool:
+    for svc in services(home).values():
+        try:
+            os.kill(svc["pid"], 0)
+        except ProcessLookupError:
+            return False
+    return True
+
+
+def _paused(s, job: str):
+    status = s.status(job)
+    return status if status.state == JobState.PAUSED else None
+
+
+def test_down_with_the_disk_full_refuses_again_and_again_then_drains_once_space_is_freed(stack):
+    """`surgectl down` with every save refused (the disk full): refused, exit 1, the stack left
+    running; `down` again with the disk still full: the paused ranks' save in place is refused
+    again, so `down` refuses again, saying the store refused the write for no space (not "once
+    the store answers"), and nothing is lost. Was: the second `down` took the job for drained,
+    exited 0 and stopped the stack; `up` resumed 150 steps back (a fresh SRE's trial, F1).
+    `status` names the refused saves in one line meanwhile (F7). Space freed, the drain
+    checkpoints the step the ranks paused at."""
+    s, refuser = stack
+    if not refuser.tmpfs:
+        pytest.skip("needs the store on a tmpfs it can fill (root, mount)")
+    job = s.submit(spec("srefused", steps=1_000_000, every=EVERY))
+    wait_for(lambda: committed_versions(events_so_far(s, job)), 120, "a first committed version")
+    refuser.refuse(job)
+    try:
+        wait_for(lambda: _refused_and_decided(s, job), 60, "the refused save's fault and decision")
+        shown = cli(s.home, "status", env={"COLUMNS": "1000"})  # (the line unwrapped)
+        assert shown.returncode == 0, shown.stderr
+        line = next((x for x in shown.stdout.splitlines() if x.startswith("checkpoint saves failing: ")), "")
+        assert f"{job}: " in line and "refused the write: no space at " in line, shown.stdout
+        for attempt in (1, 2):
+            r = cli(s.home, "down", timeout=180)
+            assert r.returncode == 1, f"down #{attempt} exited {r.returncode}: {r.stdout}{r.stderr}"
+            said = r.stderr.strip().splitlines()[-1]
+            assert said.startswith(f"error: not drained: {job} (paused at step "), said
+            assert "; its save failed: the store answered but refused the write: no space at " in said, said
+            assert "(`surgectl down` again once you free space at " in said and "once the store answers" not in said
+            status = wait_for(lambda: _paused(s, job), 30, "the job paused")
+            assert (status.drained, status.checkpoint_step < status.step) == (False, True), status
+            assert _every_service_alive(s.home), "down stopped a service although it refused"
+        events = events_so_far(s, job)
+        assert not any("drained: `surgectl up` resumes it" in m for m in of_type(events, "state"))
+        skipped = [m for m in of_type(events, "decision") if m.startswith("skip the save of step ")]
+        assert any("the drain's pause goes on without it: not drained" in m for m in skipped), skipped
+    finally:
+        refuser.allow()
+    paused_at = s.status(job).step
+    s.stub.PauseJob(control_pb2.PauseJobRequest(job_id=job, drain=True))  # `down` again: what its drain asks
+    status = wait_for(lambda: (st := _paused(s, job)) and st.drained and st, 120, "the drain with space freed")
+    assert (status.step, status.checkpoint_step) == (paused_at, paused_at), status  # the paused step, saved
+    assert not status.HasField("save_failing")
+    s.stub.StopJob(control_pb2.StopJobRequest(job_id=job))
+    assert s.events(job, timeout=120)[-1].status.state == JobState.TERMINATED

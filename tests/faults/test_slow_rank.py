@@ -96,5 +96,5 @@ def test_a_rank_slowed_2x_is_named_ignored_by_default_and_the_job_trains_on(stac
     assert shown.returncode == 0, shown.stderr
     assert "slow ranks" in shown.stdout and "rank 1 computes" in shown.stdout, shown.stdout
     assert slow_rank_findings(metrics) > findings, metrics
-    ratio = re.search(rf'^surge_rank_slowdown_ratio{{job_id="{job}",rank="1"}} ([\d.]+)', metrics, re.M)
+    ratio = re.search(rf'^surge_rank_slowdown_ratio{{job="{job}",rank="1"}} ([\d.]+)', metrics, re.M)
     assert ratio and float(ratio.group(1)) >= 1.5, metrics

@@ -73,10 +73,10 @@ def test_a_rank_on_a_hung_host_is_blamed_not_its_stalled_peer_whose_stall_deadli
     cause = faults[0]
     # The hung host's node agent is named (its beats and the rank's it relays stopped together:
     # nobody stated the rank stopped), for rank 1 (session 34: no longer rank 1's own silence).
-    assert cause.message.startswith("SEVERE worker_lost: the node agent of "), cause.message
+    assert cause.message.startswith("SEVERE worker_lost (agent_silent): the node agent of "), cause.message
     assert "rank 1's heartbeats, which it relays, stopped with it" in cause.message, cause.message
     decision = of_type(events, "decision")[1]
-    assert decision.startswith("restart_ranks after worker_lost of rank 1")
+    assert decision.startswith("restart_ranks after worker_lost (agent_silent) of rank 1")
     # Rank 0 was seen stalled before rank 1's silence was declared, and is not blamed for it.
     stalls = [e for e in faults if e.message.startswith("rank_stalled_in_collective, expected: rank 0 ")]
     assert stalls, [e.message for e in faults]

@@ -25,8 +25,9 @@ import pytest
 
 from services.contract import control_pb2
 from services.rank.faults import lift_pace
+from tests.conftest import stop_process
 from tests.faults.test_compound import events_so_far, wait_for
-from tests.faults.test_recovery import JobOutcome, cli, finished, metric, of_type, running_stack, spec
+from tests.faults.test_recovery import JobOutcome, JobState, cli, finished, metric, of_type, running_stack, spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -41,7 +42,7 @@ def stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("surge-store-outage"),
         ("json", "email"),
-        ("sstop", "skill", "dcalm", "drestart"),
+        ("sstop", "skill", "dcalm", "drestart", "sdrain"),
         env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S), "SURGE_FAULT_INJECT": PACED},
     ) as s:
         yield s
@@ -89,6 +90,60 @@ def test_a_store_stopped_across_checkpoint_intervals_costs_no_restart_and_no_met
     assert after, of_type(events, "checkpoint")  # a later save committed
     assert metric(stack.metrics(), "surge_checkpoint_failures_total", cause="timeout") >= 1
     assert_every_step_once(stack, job, steps)
+
+
+def test_down_with_the_store_stopped_refuses_again_and_again_and_drains_once_it_answers(stack):
+    """`surgectl down` while the store does not answer (SIGSTOP): the drain's save is skipped,
+    `down` refuses (exit 1, the stack running); `down` again, the store still stopped: the
+    paused ranks' save in place fails again, so `down` refuses again, saying the store did not
+    answer, nothing lost (was: the second `down` took the job for drained and stopped the
+    stack, its steps since the newest checkpoint lost: a fresh SRE's trial, F1, there with a
+    full disk). The store back, the drain checkpoints the step the ranks paused at."""
+    job = stack.submit(spec("sdrain", steps=1_000_000, every=5))
+    try:
+        _down_refused_then_drained(stack, job)
+    finally:  # (its slots freed for the module's next tests, whatever failed)
+        stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job))
+    assert stack.events(job, timeout=120)[-1].status.state == JobState.TERMINATED
+
+
+def _down_refused_then_drained(stack, job: str) -> None:
+    wait_for(lambda: saved_steps(events_so_far(stack, job)), 120, "a first committed version")
+    pid = store_pid(stack.home)
+    stop_process(pid)
+    try:
+        for attempt in (1, 2):
+            r = cli(stack.home, "down", timeout=180)
+            assert r.returncode == 1, f"down #{attempt} exited {r.returncode}: {r.stdout}{r.stderr}"
+            said = r.stderr.strip().splitlines()[-1]
+            assert said.startswith(f"error: not drained: {job} (paused at step "), said
+            assert "; its save failed: the store did not answer" in said, said
+            assert "(`surgectl down` again once the store answers, or `--force` to lose them)" in said, said
+            status = stack.status(job)
+            assert (status.state, status.drained, status.checkpoint_step < status.step) == (
+                JobState.PAUSED, False, True
+            ), status  # fmt: skip
+            assert os.kill(store_pid(stack.home), 0) is None  # (down stopped nothing: the store is still there)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    paused_at = stack.status(job).step
+
+    # `down` again (what its drain asks), as an operator would until it drains: each rank's
+    # store-liveness breaker (store_liveness.py) stays open until its background probe hears the
+    # store, and a drain's save asked before that fails at once and is refused like the others
+    # (CI, load 10: the one drain asked at once never drained). Refused again is no loss.
+    def drained():
+        st = stack.status(job)
+        if st.state == JobState.PAUSED and st.drained:
+            return st
+        if st.state == JobState.PAUSED and st.checkpoint_step < st.step and not st.draining:
+            stack.stub.PauseJob(control_pb2.PauseJobRequest(job_id=job, drain=True))  # (refused: again)
+            time.sleep(1.0)
+        return None
+
+    stack.stub.PauseJob(control_pb2.PauseJobRequest(job_id=job, drain=True))
+    status = wait_for(drained, 120, "the drain")
+    assert (status.step, status.checkpoint_step) == (paused_at, paused_at), status  # the paused step, saved
 
 
 def test_a_store_killed_and_restarted_under_a_job_costs_no_restart_and_no_metric_record(stack):

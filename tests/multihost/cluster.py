@@ -8,12 +8,15 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+import grpc
 
 from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, control_pb2_grpc
@@ -62,6 +65,8 @@ class Cluster:
             # The code under test, where it is not the installed one (a worktree beside an
             # editable install): every host runs what the test imports.
             **({"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}),
+            # Control's opt-in liveness datagrams, where the run asks for them (hb37: the beds with them on)
+            **{k: os.environ[k] for k in ("SURGE_CONTROL_LIVENESS_DATAGRAMS",) if k in os.environ},
         }
 
     def start(self) -> None:
@@ -151,6 +156,37 @@ class Cluster:
         query = control_pb2.JobQuery(job_id=job, follow=follow)
         return list(self.stub.WatchJob(query, timeout=timeout, metadata=_auth()))
 
+    def until_ended(self, job: str, timeout: float = 180) -> list[control_pb2.JobEvent]:
+        """The job's events, followed until it is TERMINATED. If it is not within ``timeout``,
+        raises AssertionError with a diagnosis (``diagnosis``): a hang on this bed is seen once
+        in hundreds of runs, and its files are gone with the test's tmp dir."""
+        try:
+            return self.events(job, follow=True, timeout=timeout)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise
+        raise AssertionError(f"{job} not TERMINATED in {timeout:.0f} s\n{self.diagnosis(job)}")
+
+    def diagnosis(self, job: str, lines: int = 25) -> str:
+        """What a hung job's state is, for a failure's message: its status and last events,
+        every rank's stacks (SIGUSR2: services/common/stack_dump.py) and log tail, and each
+        host log's last warnings."""
+        out = [f"--- status: {self.status(job)}", f"--- events: {self.events_text(job)}"]
+        ranks = [pid for n in self.nodes for pid in self.bed.pids_of(n, f"--job {job} --rank ")]
+        for pid in ranks:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGUSR2)
+        time.sleep(1.5)  # (the dumps reach the rank logs through the agent's pump)
+        for path in sorted(self.root.glob(f"*/run/logs/{job}.rank*.log")):
+            text = path.read_text()
+            logged = [ln[:300] for ln in text.splitlines() if ln.startswith("{")][-lines:]
+            out.append(f"--- {path.name}: stacks (ranks {ranks} dumped)\n{_stacks(text)}")
+            out.append(f"--- {path.name}: last lines\n" + "\n".join(logged))
+        for path in sorted(self.root.glob("*.log")):
+            noted = [ln for ln in path.read_text().splitlines() if '"warning"' in ln or '"error"' in ln]
+            out.append(f"--- {path.name}: last warnings\n" + "\n".join(ln[:400] for ln in noted[-lines:]))
+        return "\n".join(out)
+
     def events_text(self, job: str) -> str:
         try:
             return " | ".join(f"{e.type}: {e.message[:160]}" for e in self.events(job)[-12:])
@@ -190,6 +226,24 @@ class Cluster:
     def close(self) -> None:
         if self._channel is not None:
             self._channel.close()
+
+
+def _stacks(log: str) -> str:
+    """The last stack dump in a rank's log, short: each thread's innermost frame and its
+    frames in services/ (a thread with none, gRPC's own say, is left out)."""
+    end = log.rfind("Current thread 0x")
+    if end < 0:
+        return "(no stack dump in the log)"
+    start = end
+    while (prev := log.rfind("\nThread 0x", 0, start)) >= 0 and "\n{" not in log[prev:start]:
+        start = prev + 1  # (back to the dump's first thread: no log line between them)
+    kept = []
+    for block in log[start:].split("\n\n"):
+        frames = [f for f in block.strip().splitlines() if not f.startswith("{")]
+        ours = [f for f in frames[2:] if "/services/" in f]
+        if len(frames) > 1 and (ours or "/services/" in frames[1]):
+            kept.append("\n".join([frames[0], frames[1], *ours]))
+    return "\n".join(kept)
 
 
 def _auth():

@@ -142,7 +142,7 @@ def _wait_event(cluster: Cluster, job: str, pred, timeout: float) -> control_pb2
 def _stop(cluster: Cluster, job: str) -> list[control_pb2.JobEvent]:
     stopped = cluster.cli("stop", job)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    done = cluster.events(job, follow=True)
+    done = cluster.until_ended(job)
     final = done[-1].status
     assert (final.state, final.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED), cluster.events_text(job)
     return done

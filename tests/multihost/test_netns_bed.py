@@ -172,7 +172,7 @@ def test_the_readme_recipe_trains_across_hosts_through_a_rank_kill_a_control_res
     # The operator stops it; the boundary's checkpoint streams to the store.
     stopped = bed.cli("stop", job)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    done = bed.events(job, follow=True)
+    done = bed.until_ended(job)
     final = done[-1].status
     assert (final.state, final.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED), bed.events_text(job)
     decisions = [e.message for e in done if e.type == "decision"]
@@ -205,7 +205,7 @@ def test_a_node_lost_under_exclude_node_relaunches_every_rank_elsewhere_from_a_s
     assert lost not in hosts and len(hosts) == 2, (lost, hosts)
     stopped = bed.cli("stop", job)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
-    done = bed.events(job, follow=True)
+    done = bed.until_ended(job)
     decisions = [e.message for e in done if e.type == "decision"]
     assert any(m.startswith("exclude_node after worker_lost") and "excluding gpu-" in m for m in decisions), decisions
     resumed = [e.message for e in done if e.type == "recovery" and "resume from" in e.message]

@@ -1,11 +1,14 @@
 """deploy/: docker-compose.yml is valid (`docker-compose config -q`, Debian's package) and runs
 the local stack's entry points and flags with health checks and named volumes;
-deploy/prometheus.yml passes `promtool check config` and scrapes every compose service;
-the Grafana dashboard and its provisioning parse."""
+deploy/prometheus.yml passes `promtool check config` and scrapes every compose service; its
+alert rules (deploy/rules/) pass `promtool check rules` and their runbooks name surgectl
+commands and flags that exist; the Grafana dashboard and its provisioning parse."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -90,6 +93,54 @@ def test_deploy_prometheus_config_passes_promtool_and_scrapes_every_compose_serv
     assert all(job.get("honor_labels") for job in scrape)  # Surge's `job` label is the training job
     volumes = compose()["services"]["prometheus"]["volumes"]
     assert "./deploy/prometheus.yml:/etc/prometheus/prometheus.yml:ro" in volumes
+    # its rule files (promtool check config above checks them too), mounted where it reads them
+    assert yaml.safe_load(config.read_text())["rule_files"] == ["rules/*.yml"]
+    assert "./deploy/rules:/etc/prometheus/rules:ro" in volumes
+
+
+def test_the_alert_rules_pass_promtool_and_each_runbook_names_surgectl_commands_that_exist():
+    promtool = require_tool("promtool", "prometheus")
+    rules_file = REPO / "deploy" / "rules" / "surge-alerts.yml"
+    r = subprocess.run([promtool, "check", "rules", str(rules_file)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rules = [rule for g in yaml.safe_load(rules_file.read_text())["groups"] for rule in g["rules"]]
+    names = {rule["alert"] for rule in rules}
+    for wanted in (
+        "SurgeFaultSevere",
+        "SurgeJobFailed",
+        "SurgeCheckpointStale",
+        "SurgeCheckpointSavesFailing",
+        "SurgeTargetDown",
+        "SurgeControlApplierBehind",
+        "SurgeControlLoopLagging",
+        "SurgeSilenceVerdictsHeld",
+    ):
+        assert wanted in names
+    help_text = subprocess.run(
+        [sys.executable, "-m", "services.cli.surgectl", "--help"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},
+    ).stdout
+    commands = set(re.findall(r"^│ ([a-z][a-z-]+) ", help_text, re.MULTILINE))
+    assert {"status", "events", "checkpoints", "restart", "up"} <= commands, commands
+    for rule in rules:
+        said = re.findall(r"`surgectl ([a-z-]+)([^`]*)`", rule["annotations"]["runbook"])
+        assert said, rule["alert"]  # each says what to run
+        for command, args in said:
+            assert command in commands, (rule["alert"], command)
+            for flag in re.findall(r"(--[a-z-]+)", args):
+                sub = subprocess.run(
+                    [sys.executable, "-m", "services.cli.surgectl", command, "--help"],
+                    cwd=REPO,
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                    env={**os.environ, "COLUMNS": "200"},
+                ).stdout
+                assert flag in sub, (rule["alert"], command, flag)
 
 
 def test_the_grafana_dashboard_and_provisioning_parse():
@@ -104,3 +155,35 @@ def test_the_grafana_dashboard_and_provisioning_parse():
             assert t["datasource"]["uid"] == uid and t["expr"], p["title"]
     provider = yaml.safe_load((REPO / "deploy" / "grafana" / "provisioning" / "dashboards" / "surge.yml").read_text())
     assert provider["providers"][0]["options"]["path"] == "/var/lib/grafana/dashboards"
+
+
+def test_surge_fault_severe_pages_once_per_incident_for_its_cause_not_for_its_consequences(tmp_path):
+    # One incident: rank 1's SEVERE rank_exit (its cause) and rank 0's comm_error, its collective
+    # broken under it (a consequence: control counts it role="consequence"). The rule paged for
+    # both (session 36's trial: two alerts of one rule for one incident).
+    promtool = require_tool("promtool", "prometheus")
+    rules_file = REPO / "deploy" / "rules" / "surge-alerts.yml"
+    rules = [r for g in yaml.safe_load(rules_file.read_text())["groups"] for r in g["rules"]]
+    (expr,) = [r["expr"] for r in rules if r["alert"] == "SurgeFaultSevere"]
+    series = 'surge_faults_total{{class="{c}",grade="SEVERE",role="{r}"}}'
+    case = {
+        "interval": "1m",
+        "input_series": [
+            {"series": series.format(c="rank_exit", r="cause"), "values": "0 0 1 1 1"},
+            {"series": series.format(c="rank_exit", r="consequence"), "values": "0 0 0 0 0"},
+            {"series": series.format(c="comm_error", r="cause"), "values": "0 0 0 0 0"},
+            {"series": series.format(c="comm_error", r="consequence"), "values": "0 0 1 1 1"},
+        ],
+        # (what the alert fires for: one series per (class, grade) its expression keeps)
+        "promql_expr_test": [
+            {
+                "expr": f"count by (class, grade) ({expr})",
+                "eval_time": "3m",
+                "exp_samples": [{"labels": '{class="rank_exit",grade="SEVERE"}', "value": 1}],
+            }
+        ],
+    }
+    path = tmp_path / "surge-alerts.test.yml"
+    path.write_text(yaml.safe_dump({"rule_files": [str(rules_file)], "tests": [case]}, sort_keys=False))
+    r = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr

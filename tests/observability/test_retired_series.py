@@ -8,16 +8,18 @@ one stack for this file's two tests).
 * A job that finishes with checkpoints: once the linger is over no series labelled with the
   job is left on the store's /metrics (L5-2's per-rank series, and L5-1's surge_checkpoint_*
   through RetireCheckpointSeries: before session 33 these stayed) nor on control's (its
-  surge_rank_slowdown_ratio{job_id, rank}, removed when the rank's process ends).
+  surge_rank_slowdown_ratio{job, rank}, removed when the rank's process ends).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
 import sysconfig
+import threading
 import time
 
 import pytest
@@ -134,12 +136,20 @@ def test_a_finished_job_leaves_no_series_of_its_own_on_the_store_s_or_control_s_
     store, control = _metrics_port(home, "store"), _metrics_port(home, "control")
     job = _submit(home, FINISHING)
     seen: set[str] = set()  # the names of the job's series seen while it ran
+    done = threading.Event()
 
-    def running() -> dict:
-        seen.update(ln.split("{", 1)[0] for ln in _labelled(store, job) + _labelled(control, job))
-        return _state(home, job)
+    def watch() -> None:  # (its own pace: a `status` of a loaded host can take seconds, the linger is 5 s)
+        while not done.wait(0.2):
+            with contextlib.suppress(OSError):
+                seen.update(ln.split("{", 1)[0] for ln in _labelled(store, job) + _labelled(control, job))
 
-    ended = _until(running, lambda s: s.get("state") == "TERMINATED", 180)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        ended = _until(lambda: _state(home, job), lambda s: s.get("state") == "TERMINATED", 180)
+    finally:
+        done.set()
+        watcher.join(10)
     assert (ended.get("state"), ended.get("outcome")) == ("TERMINATED", "FINISHED"), ended
     # L5-1's series of the job were there (its commits): the retire has something to remove.
     seen.update(ln.split("{", 1)[0] for ln in _labelled(store, job))

@@ -299,3 +299,35 @@ def metrics_through_an_agent(address: str, on_routed=None):
     stream = MetricStream(address, structlog.get_logger(), linger_s=0)  # (no agent here to flush at a boundary)
     client = MetricsClient(lambda record: stream.submit(record, client.acked), on_routed=on_routed)
     return client, stream
+
+
+def test_a_job_without_sinks_hands_its_sink_thread_nothing_per_record_and_one_with_sinks_everything(tmp_path):
+    """Rank 0's records go to the sink thread only for a job whose choice names a sink (pushed,
+    or kept from before a restart): a job without sinks cost that thread a wake-up per record
+    for nothing (session 36)."""
+    queued: list = []
+
+    def logger() -> MetricsLogger:
+        return MetricsLogger(tmp_path, registry=CollectorRegistry(), defer=lambda fn, *args: queued.append(fn.__name__))
+
+    plain = logger()
+    plain.log_collection_config(config())
+    plain.on_step_completed(step(1))
+    plain.on_eval_completed(engine_pb2.EvalCompleted(job_id=JOB, rank=0, step=1, loss=2.0))
+    assert queued == ["configure"]
+    plain.log_collection_config(config(tensorboard=True))  # the choice changed: the records follow it
+    plain.on_step_completed(step(2))
+    assert queued == ["configure", "configure", "record"]
+    for fn, args in [(plain._sinks.configure, (config(tensorboard=True),))]:
+        fn(*args)  # (the kept copy the sink thread writes)
+    plain.close()
+    queued.clear()
+    restarted = logger()  # no push since the restart: the kept choice (tensorboard) holds
+    restarted.on_step_completed(step(3))
+    restarted.close()
+    assert queued == ["record", "close"]
+    queued.clear()
+    other = logger()  # a job never configured here, nothing kept: no sinks
+    other.on_step_completed(step(1, job_id="nosinks"))
+    other.close()
+    assert queued == ["close"]

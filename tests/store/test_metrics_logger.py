@@ -105,7 +105,7 @@ def test_prometheus_series_follow_the_last_record_per_job_and_rank(logger, regis
 
     assert value("surge_train_loss") == 3.25 and value("surge_train_loss", "1") == 3.0
     assert value("surge_train_steps_total") == 2 and value("surge_train_steps_total", "1") == 1
-    assert value("surge_train_tokens_total") == 200
+    assert registry.get_sample_value("surge_train_tokens_total", {"job": "demo"}) == 200  # (rank 0's: the job's)
     assert value("surge_skipped_steps_total") == 1
     assert value("surge_step_phase_seconds", phase="forward") == 0.02
     assert value("surge_step_phase_seconds", phase="backward") == 0.04
@@ -178,12 +178,13 @@ def test_the_tail_read_back_after_a_restart_skips_a_partial_first_line(tmp_path,
 
 
 def _job_series(registry: CollectorRegistry, job: str) -> set[tuple[str, str]]:
-    """(sample name, rank) of every sample labelled ``job``."""
+    """(sample name, rank) of every per-rank sample labelled ``job`` (the job's own series,
+    ``surge_job_tokens_per_second``, is rank 0's: gone with it)."""
     return {
         (s.name, s.labels["rank"])
         for family in registry.collect()
         for s in family.samples
-        if s.labels.get("job") == job
+        if s.labels.get("job") == job and "rank" in s.labels
     }
 
 
@@ -200,6 +201,7 @@ def test_a_rank_s_series_are_removed_a_linger_after_its_loop_ended_unless_a_reco
         logger.on_eval_completed(engine_pb2.EvalCompleted(job_id="done", rank=0, step=1, loss=2.0, seconds=0.5))
         logger.on_step_completed(step(job_id="other"))
         assert {r for _, r in _job_series(registry, "done")} == {"0", "1"}
+        assert registry.get_sample_value("surge_job_tokens_per_second", {"job": "done"}) is not None
         for rank in (0, 1):
             logger.stop_log_collection(store_pb2.StopLogCollection(job_id="done", rank=rank))
         assert [s for s, _, _ in timers] == [30, 30]  # nothing removed before the linger
@@ -208,7 +210,9 @@ def test_a_rank_s_series_are_removed_a_linger_after_its_loop_ended_unless_a_reco
         logger.on_step_completed(step(job_id="done", rank=1, step=2))  # rank 1 resumed before its removal
         for _, fn, args in timers:
             fn(*args)  # the linger is over
-        assert {r for _, r in _job_series(registry, "done")} == {"1"}  # rank 0's gone, evaluations included
+        assert {r for _, r in _job_series(registry, "done")} == {
+            "1"
+        }  # rank 0's gone, evaluations and the job's included
         assert registry.get_sample_value("surge_train_loss", {"job": "other", "rank": "0"}) == 3.0
 
         logger.on_step_completed(step(job_id="done", rank=0, step=3))  # a record after the removal: back
@@ -271,6 +275,32 @@ def test_l1_1_s_retire_removes_every_rank_s_series_of_the_job_after_the_linger_u
     assert len(lines(tmp_path, "killed")) == 6  # the JSONL file keeps every record
 
 
+def test_a_job_gone_to_the_queue_loses_its_series_after_the_linger_and_gets_them_back_when_it_runs(tmp_path, registry):
+    """Session 35: a preempted job queued for 14 minutes still exported its tokens/s and step.
+    L1-1's RetireMetricSeries ``queued`` removes them after the linger whatever came (a killed
+    rank's straggler step included); its next record after it runs again brings them back."""
+    from services.contract import store_pb2
+
+    timers: list[tuple[float, object, tuple]] = []
+    logger = MetricsLogger(
+        tmp_path, registry=registry, later=lambda s, fn, args: timers.append((s, fn, args)), linger_s=30
+    )
+    try:
+        for rank in (0, 1):
+            logger.on_step_completed(step(job_id="low", rank=rank))
+        logger.retire_metric_series(store_pb2.RetireMetricSeries(job_id="low", reason="queued", queued=True))
+        assert [s for s, _, _ in timers] == [30, 30]
+        logger.on_step_completed(step(job_id="low", rank=1, step=2))  # a straggler before its kill landed
+        assert {r for _, r in _job_series(registry, "low")} == {"0", "1"}  # nothing before the linger
+        for _, fn, args in timers:
+            fn(*args)
+        assert _job_series(registry, "low") == set()
+        logger.on_step_completed(step(job_id="low", rank=0, step=9))  # placed again: back at its record
+        assert registry.get_sample_value("surge_train_step", {"job": "low", "rank": "0"}) == 9
+    finally:
+        logger.close()
+
+
 def test_a_rank_that_never_evaluated_exports_no_evaluation_series(logger, registry):
     # A last held-out loss of 0 nats would read as a perfect model on a dashboard.
     logger.on_step_completed(step(rank=0, step=1, loss=3.0))
@@ -280,3 +310,33 @@ def test_a_rank_that_never_evaluated_exports_no_evaluation_series(logger, regist
     assert registry.get_sample_value("surge_eval_runs_total", labels) is None
     logger.on_eval_completed(engine_pb2.EvalCompleted(job_id="demo", rank=0, step=1, loss=2.5, seconds=1.0))
     assert registry.get_sample_value("surge_eval_loss", labels) == 2.5
+
+
+def test_the_jobs_throughput_is_one_series_from_rank_0_never_a_sum_over_ranks(tmp_path, logger, registry):
+    """Every rank reports the all-rank tokens/s of its step: on each rank's
+    ``surge_tokens_per_second`` a dashboard's ``sum by (job)`` read it world-size times.
+    ``surge_job_tokens_per_second{job}`` is the job's one series, rank 0's figure."""
+    for rank, tps in ((0, 1000.0), (1, 990.0), (2, 1010.0)):
+        logger.on_step_completed(step(rank=rank, tokens_per_second=tps))
+    job_series = [
+        (s.labels, s.value) for f in registry.collect() for s in f.samples if s.name == "surge_job_tokens_per_second"
+    ]
+    assert job_series == [({"job": "demo"}, 1000.0)]
+    per_rank = {s.labels["rank"] for f in registry.collect() for s in f.samples if s.name == "surge_tokens_per_second"}
+    assert per_rank == {"0", "1", "2"}  # (kept: each rank's figure as it reported it)
+    logger.on_step_completed(step(rank=1, step=2, tokens_per_second=500.0))  # another rank's: not the job's
+    assert registry.get_sample_value("surge_job_tokens_per_second", {"job": "demo"}) == 1000.0
+
+
+def test_the_jobs_tokens_are_counted_once_never_once_per_rank(tmp_path, logger, registry):
+    """Every rank reports its step's all-rank tokens: ``surge_train_tokens_total{job,rank}``
+    counted the job's tokens on each rank, so a sum over ranks read world-size times the
+    tokens trained. Now one counter per job, from rank 0's records."""
+    for s in (1, 2):
+        for rank in (0, 1, 2):
+            logger.on_step_completed(step(rank=rank, step=s, tokens=4096))
+    counted = [
+        (s.labels, s.value) for f in registry.collect() for s in f.samples if s.name == "surge_train_tokens_total"
+    ]
+    assert counted == [({"job": "demo"}, 8192.0)]  # two steps of 4096 tokens, all ranks together
+    assert registry.get_sample_value("surge_train_steps_total", {"job": "demo", "rank": "2"}) == 2  # (per rank, kept)

@@ -4,7 +4,8 @@ relays of a save (the simulated rank's ShardSaver, the real rank's StoreClient) 
 probe window (``SURGE_STORE_RPC_TIMEOUT_S``). A BeginSave and a previous commit held past
 that window are waited for and every save commits, none reported failed; the same store
 SIGSTOPped is reported (SnapshotFailed, cause TIMEOUT) within 1.5 windows of the save's start
-(the first probe half a window in, unanswered for a window)."""
+(the first probe half a window in, unanswered for a window), and the next save while it
+stays stopped fails at once (the relay's breaker), the one after it answers again commits."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import structlog
 
 from services.contract import Module, store_pb2
 from services.rank import store_liveness
-from tests.conftest import free_ports
+from tests.conftest import free_ports, stop_process
 from tests.store.test_store_service import Store, spawn
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -56,13 +57,32 @@ def slow_store(tmp_path, monkeypatch) -> Iterator[Store]:
 
 def stopped_save(store: Store, save) -> float:
     """Seconds ``save()`` took with the store SIGSTOPped (continued after)."""
-    os.kill(store.proc.pid, signal.SIGSTOP)
+    stop_process(store.proc.pid)  # (every thread stopped: a request in the meantime is answered)
     try:
         t0 = time.monotonic()
         save()
         return time.monotonic() - t0
     finally:
         os.kill(store.proc.pid, signal.SIGCONT)
+
+
+def real_relay(store: Store):
+    """The real rank's checkpoint relay (StoreClient) on a bus: (client, the loop's port to it,
+    what reaches L1-1: SaveCompleted and SnapshotFailed)."""
+    from services.contract.bus import Bus
+    from services.rank.store_client import StoreClient
+
+    bus, up = Bus(), []
+    client = StoreClient(f"127.0.0.1:{store.port}", bus.emitter(Module.L5_CHECKPOINT_MANAGER))
+    for kind, handler in (
+        (store_pb2.SaveCheckpoint, client.save_checkpoint),
+        (store_pb2.CommitCheckpoint, client.commit_checkpoint),
+        (store_pb2.FlushCheckpoint, client.flush_checkpoint),
+    ):
+        bus.subscribe(Module.L5_CHECKPOINT_MANAGER, kind, handler)
+    for kind in (store_pb2.SaveCompleted, store_pb2.SnapshotFailed):
+        bus.subscribe(Module.L1_ORCHESTRATOR, kind, lambda m, p=None: up.append(m))
+    return client, bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER), up
 
 
 def test_the_simulated_ranks_saves_wait_for_a_slow_store_and_a_stopped_one_is_reported_in_one_window(slow_store):
@@ -95,20 +115,7 @@ def test_the_simulated_ranks_saves_wait_for_a_slow_store_and_a_stopped_one_is_re
 def test_the_real_ranks_relay_waits_for_a_slow_store_and_reports_a_stopped_one_in_one_window(slow_store):
     import torch
 
-    from services.contract.bus import Bus
-    from services.rank.store_client import StoreClient
-
-    bus, up = Bus(), []
-    client = StoreClient(f"127.0.0.1:{slow_store.port}", bus.emitter(Module.L5_CHECKPOINT_MANAGER))
-    for kind, handler in (
-        (store_pb2.SaveCheckpoint, client.save_checkpoint),
-        (store_pb2.CommitCheckpoint, client.commit_checkpoint),
-        (store_pb2.FlushCheckpoint, client.flush_checkpoint),
-    ):
-        bus.subscribe(Module.L5_CHECKPOINT_MANAGER, kind, handler)
-    for kind in (store_pb2.SaveCompleted, store_pb2.SnapshotFailed):
-        bus.subscribe(Module.L1_ORCHESTRATOR, kind, lambda m, p=None: up.append(m))
-    port = bus.port(Module.L2_TRAINING_LOOP, Module.L5_CHECKPOINT_MANAGER)
+    client, port, up = real_relay(slow_store)
 
     def save(step: int) -> store_pb2.SaveStaged:
         state = {"model": {"w": torch.full((8,), float(step))}}
@@ -136,3 +143,88 @@ def test_the_real_ranks_relay_waits_for_a_slow_store_and_reports_a_stopped_one_i
     assert [(m.step, m.cause) for m in failed] == [(3, store_pb2.TIMEOUT)]
     assert failed[0].failure.cause == store_liveness.route_pb2.FAILURE_TIMEOUT
     assert 1.5 * WINDOW_S <= waited < 1.5 * WINDOW_S + 2.0, waited
+
+
+def wait_closed(liveness, limit_s: float = 30.0) -> None:
+    """Until the breaker's prober heard the store answer (bounded)."""
+    deadline = time.monotonic() + limit_s
+    while liveness.silent_since is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert liveness.silent_since is None, "the breaker stayed open after the store answered"
+
+
+def outage_saves(store: Store, save) -> tuple[float, float]:
+    """Seconds two saves took with the store SIGSTOPped (continued after both)."""
+    stop_process(store.proc.pid)  # (every thread stopped: a request in the meantime is answered)
+    try:
+        t0 = time.monotonic()
+        save()
+        t1 = time.monotonic()
+        save()
+        return t1 - t0, time.monotonic() - t1
+    finally:
+        os.kill(store.proc.pid, signal.SIGCONT)
+
+
+def test_the_simulated_ranks_second_save_to_a_silent_store_fails_at_once_and_the_next_after_it_answers_commits(
+    slow_store,
+):
+    from services.rank.simulated.collective import Collective
+    from services.rank.simulated.shard_save import ShardSaver
+
+    sent: list = []
+    saver = ShardSaver(
+        f"127.0.0.1:{slow_store.port}", "breaksim", 0, 1, Collective(0, 1, ("127.0.0.1", 0), 5.0), 4096,
+        {"keep_last": 0}, "{}", lambda msg, sender: sent.append(msg), structlog.get_logger(),
+    )  # fmt: skip
+    try:
+        saver.save(1)
+        saver.flush()  # (held HELD_S by the injection: alive)
+        first, second = outage_saves(slow_store, lambda: saver.save(len(saver.saves) + 1))
+        wait_closed(saver._liveness)
+        saver.save(4)
+        saver.flush()
+    finally:
+        saver.close()
+    print(f"saves to a stopped store: the first {first:.2f} s, the second {second:.2f} s (window {WINDOW_S:g} s)")
+    assert first >= 1.5 * WINDOW_S and second < 0.5 * WINDOW_S, (first, second)
+    failed = [m for m in sent if isinstance(m, store_pb2.SnapshotFailed)]
+    assert [(m.step, m.cause) for m in failed] == [(2, store_pb2.TIMEOUT), (3, store_pb2.TIMEOUT)]
+    assert "store silent since" in failed[1].reason
+    assert [(s["step"], s["committed"]) for s in saver.saves] == [(1, True), (2, False), (3, False), (4, True)]
+
+
+def test_the_real_ranks_second_save_to_a_silent_store_fails_at_once_and_the_next_after_it_answers_commits(
+    slow_store,
+):
+    import torch
+
+    client, port, up = real_relay(slow_store)
+    steps = iter(range(1, 10))
+
+    def save() -> None:
+        step = next(steps)
+        state = {"model": {"w": torch.full((8,), float(step))}}
+        port(store_pb2.SaveCheckpoint(job_id="breakreal", step=step, rank=0, write_async=True), state)
+        port(store_pb2.CommitCheckpoint(job_id="breakreal", step=step, world_size=1))
+
+    def failed() -> list:
+        return [(m.step, m.cause) for m in up if isinstance(m, store_pb2.SnapshotFailed)]
+
+    try:
+        save()
+        port(store_pb2.FlushCheckpoint(job_id="breakreal"))  # (held HELD_S by the injection: alive)
+        first, second = outage_saves(slow_store, save)
+        deadline = time.monotonic() + 10.0  # (SnapshotFailed comes from the writer thread)
+        while len(failed()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        wait_closed(client._liveness)
+        save()
+        port(store_pb2.FlushCheckpoint(job_id="breakreal"))
+    finally:
+        client.close()
+    print(f"saves to a stopped store: the first {first:.2f} s, the second {second:.2f} s (window {WINDOW_S:g} s)")
+    assert first >= 1.5 * WINDOW_S and second < 0.5 * WINDOW_S, (first, second)
+    assert failed() == [(2, store_pb2.TIMEOUT), (3, store_pb2.TIMEOUT)]
+    assert "store silent since" in [m for m in up if isinstance(m, store_pb2.SnapshotFailed)][1].reason
+    assert [m.step for m in up if isinstance(m, store_pb2.SaveCompleted)] == [1, 4]

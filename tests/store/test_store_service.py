@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -170,7 +171,7 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
     labels = (("job", "it"), ("rank", "0"))
     assert samples[("surge_train_loss", labels)] == 4.25
     assert samples[("surge_train_steps_total", labels)] == 2
-    assert samples[("surge_train_tokens_total", labels)] == 128
+    assert samples[("surge_train_tokens_total", (("job", "it"),))] == 128  # (the job's, once: rank 0's)
     assert samples[("surge_checkpoint_commits_total", (("job", "it"),))] == 1
     jsonl = (store.root / "metrics" / "it.jsonl").read_text().splitlines()
     assert [json.loads(x)["loss"] for x in jsonl] == [4.5, 4.25]
@@ -182,6 +183,20 @@ def test_save_commit_list_load_and_metrics_through_the_real_service(store):
 def test_sigterm_stops_the_service_cleanly(store):
     store.proc.send_signal(signal.SIGTERM)
     assert store.proc.wait(timeout=15) == 0
+
+
+def test_sigusr2_writes_every_threads_stack_to_the_log_and_the_service_goes_on(store, tmp_path):
+    """A hang's diagnosis without py-spy (services/common/stack_dump.py; every service and
+    rank installs it): the stacks of all its threads, the main one among them, and it still
+    answers after."""
+    log = tmp_path / "store.log"
+    store.proc.send_signal(signal.SIGUSR2)
+    deadline = time.monotonic() + 20
+    main = f"services{os.sep}store{os.sep}__main__.py"  # the main thread's bottom frame (written last or first)
+    while (text := log.read_text()).count("(most recent call first)") < 2 or main not in text:
+        assert time.monotonic() < deadline, text[-2000:]
+        time.sleep(0.1)
+    assert store.proc.poll() is None and answers_or_exits(store.proc, store.port)
 
 
 def test_a_port_in_use_is_a_one_line_error_and_a_nonzero_exit(store, tmp_path):

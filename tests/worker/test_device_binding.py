@@ -89,6 +89,28 @@ def test_a_rank_is_told_the_device_it_sees_and_bound_near_its_gpu(node, rank, de
     assert format_cpu_list(binding.cpus) == expected[4]
 
 
+@pytest.mark.parametrize(
+    "node, rank, device, rank_nodes, threads, expected",
+    [c[1:] for c in CASES if c[4]],
+    ids=[c[0] for c in CASES if c[4]],
+)
+def test_a_ranks_place_on_its_node_as_l1_2_sends_it_binds_as_the_worlds_list_did(
+    node, rank, device, rank_nodes, threads, expected
+):
+    """L1-2 sends no list of the world's nodes now (issue 28, launch35): each assignment says
+    the rank's place among its node's ranks (``local_rank``, ``local_world_size``). The same
+    binding as the list gave (the old code, without the list: LOCAL_RANK 11 of 16 for rank 11
+    of two nodes of 8, where it is 3 of 8)."""
+    told = assignment(rank, device, [], threads)
+    told.world_size, told.worker_id = len(rank_nodes), rank_nodes[rank]
+    told.local_rank = rank_nodes[:rank].count(rank_nodes[rank])
+    told.local_world_size = rank_nodes.count(rank_nodes[rank])
+    legacy = bind_rank(assignment(rank, device, rank_nodes, threads), node)
+    binding = bind_rank(told, node)
+    assert (binding.env, binding.device, binding.cpus) == (legacy.env, legacy.device, legacy.cpus)
+    assert (binding.env["LOCAL_RANK"], binding.env["LOCAL_WORLD_SIZE"]) == expected[2:4]
+
+
 def test_every_rank_of_a_full_node_gets_its_own_cpus_and_together_all_of_them():
     bindings = [bind_rank(assignment(r, f"cuda:{r}", ["a"] * 8), EIGHT_GPUS) for r in range(8)]
     cpus = [c for b in bindings for c in b.cpus]

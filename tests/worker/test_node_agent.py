@@ -108,6 +108,7 @@ class Agent:
             "SURGE_CONTROL_ADDRESS",
             "CUDA_VISIBLE_DEVICES",
             "SURGE_WORKER_MEMINFO",
+            "SURGE_WORKER_HOST_SHARE",
             "SURGE_WORKER_SYSFS",
             "SURGE_WORKER_MEMORY_PRESSURE_FRACTION",
         ):
@@ -878,3 +879,15 @@ def test_stop_tailing_ends_a_followed_tail_of_a_live_rank(cluster):
     control.servicer.push(stop_tailing=control_pb2.StopTailing(request_id="s1"))
     _, done, _ = log_answer(control.servicer, "s1", timeout=5)
     assert done
+
+
+def test_an_agent_sharing_its_host_registers_its_share_of_the_hosts_memory(cluster, tmp_path):
+    """`surgectl up --workers 2` runs two agents on one host: each registering all of it let the
+    allocator admit two ranks whose estimates summed past the host (fresh37 #7c)."""
+    meminfo = tmp_path / "meminfo"
+    write_meminfo(meminfo, available=12 * GIB)  # MemTotal 24 GiB
+    control = cluster.control()
+    cluster.agent(control.port, "--host-share", "2", env={"SURGE_WORKER_MEMINFO": str(meminfo)})
+    reg = control.servicer.registration()
+    assert reg.memory_bytes == 12 * GIB
+    assert [(d.kind, d.memory_bytes) for d in reg.devices] == [("cpu", 12 * GIB)]

@@ -347,3 +347,39 @@ def test_a_real_agents_own_beat_rides_with_its_ranks_beats(cluster):  # noqa: F8
             control.servicer.beats.get()
             alone += riding > 0  # (before the first ride, while the ranks start, it beats alone)
     assert riding >= 4 and alone <= riding  # (a loaded machine may make a flush late: that beat goes alone)
+
+
+def test_with_datagrams_a_ranks_progress_only_beats_ride_the_agents_datagram_and_the_rest_the_session():
+    # hb37: the ranks' beats that only move their progress go in the agent's liveness datagram
+    # (services/common/liveness_progress.py); its first beat of a session and a change go up the session.
+    from services.common.liveness_progress import ProgressSplit, pack
+    from services.contract import control_pb2 as pb
+
+    sent: list = []
+    datagrams: list = []
+    split = ProgressSplit()
+
+    def ride(job, beats):  # as ControlSession._ride: the split, then one datagram of what rides
+        riding, left = split.split(job, beats)
+        if not riding:
+            return beats, False
+        packed, unfit = pack(job, riding)
+        datagrams.append(pb.LivenessProgress.FromString(packed))
+        return left + unfit, True
+
+    keeper = RankBeats(sent.append, window_s=5.0)
+    with keeper._lock:
+        keeper.keep_agent_beat(10.0, lambda ev: None, ride=False, progress=ride)
+        keeper.beat(beat("a", 0), ranks_here=2)
+        keeper.beat(beat("a", 1), ranks_here=2)  # both firsts: the session
+        keeper.beat(beat("a", 0, step=2), ranks_here=2)
+        keeper.beat(beat("a", 1, step=2), ranks_here=2)  # progress only: one datagram, nothing on the session
+        staging = beat("a", 1, step=3)
+        staging.heartbeat.phase = worker_pb2.PHASE_CHECKPOINT_STAGING
+        keeper.beat(beat("a", 0, step=3), ranks_here=2)
+        keeper.beat(staging, ranks_here=2)  # rank 1 enters a phase L1-3 decides on: the session
+    assert kinds(sent) == [("a", [0, 1]), ("a", [1])]
+    assert [[(b.rank, b.heartbeat.step) for b in d.jobs[0].beats] for d in datagrams] == [[(0, 2), (1, 2)], [(0, 3)]]
+    assert all(not b.heartbeat.job_id and not b.heartbeat.worker_id for d in datagrams for b in d.jobs[0].beats)
+    assert keeper.agent_riding == 2  # (each datagram was the agent's beat of its period)
+    keeper.close()

@@ -287,6 +287,23 @@ def test_a_finish_writes_what_the_pipe_holds_then_ends_it_though_a_helper_keeps_
     assert b"after the end" not in (tmp_path / "j.rank0.log").read_bytes()
 
 
+def test_closing_a_pump_with_no_pipe_open_ends_its_thread_at_once(tmp_path):
+    """An agent with no rank left (its ranks ended, or none ever ran) stops: the pump's thread
+    ends as soon as it is told, not at close()'s join timeout (5 s on every worker stop)."""
+    for attach_first in (False, True):
+        pump = LogPump()
+        if attach_first:  # (a pipe that ended before the close: none open at it)
+            read, write = pump.pipe()
+            log = RankLog(tmp_path / "j.rank0.log", LogSettings(max_bytes=0))
+            pump.attach(read, log)
+            os.close(write)
+            assert log.closed.wait(10)
+        t0 = time.monotonic()
+        pump.close()
+        assert not pump._thread.is_alive()  # (close() returned because the thread ended)
+        assert time.monotonic() - t0 < 4.0  # (under the join's 5 s: waited out, it fails)
+
+
 def test_a_burst_before_the_end_is_measured_over_a_whole_window(tmp_path):
     now = [0.0]
     floods: list[float] = []

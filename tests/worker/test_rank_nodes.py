@@ -1,6 +1,8 @@
-"""The node agent fills each assignment's ``rank_nodes`` from its launch's ``node_runs`` (the
-world's node list, sent once per launch: services/common/rank_nodes.py), so a rank receives
-the whole list as before; a launch that carries it per assignment is taken as it is."""
+"""An older L1-2's launch (issue 28, launch35: the current one sends no node list; each rank
+learns it at its rendezvous, tests/engine/test_node_map.py): the node agent fills each
+assignment's ``rank_nodes`` from its ``node_runs`` (services/common/rank_nodes.py), so that
+rank receives the whole list as it expects; a launch that carries it per assignment is taken
+as it is."""
 
 from __future__ import annotations
 

@@ -266,7 +266,7 @@ def ack(seq: int, records: int = 1, routed: int = 0) -> store_pb2.MetricsAck:
 
 
 def test_acks_while_the_loop_runs_are_held_merged_and_go_with_the_next_beat():
-    acks = MetricAcks()
+    acks = MetricAcks(beats_per_ack=1)
     assert acks.beat(KEY) is None  # (nothing held: a beat sends nothing)
     for seq in (1, 2, 3):
         acks.submitted(KEY, step_record(seq, seq).metrics)
@@ -300,7 +300,30 @@ def test_after_the_loops_end_every_ack_goes_at_once_and_the_held_one_goes_then()
 
 
 def test_ranks_are_paced_apart_and_a_closed_sessions_acks_are_forgotten():
-    acks, other = MetricAcks(), ("j", 2, 4343)
+    acks, other = MetricAcks(beats_per_ack=1), ("j", 2, 4343)
     assert acks.acked(KEY, ack(5)) is None and acks.acked(other, ack(9)) is None
     acks.forget(KEY)
     assert acks.beat(KEY) is None and acks.beat(other).seq == 9
+
+
+def test_while_the_loop_runs_the_held_ack_goes_down_every_nth_beat_covering_every_record_before_it():
+    """Session 36: one ack down per ``beats_per_ack`` beats (the rank reads them only at its
+    loop's end), cumulative: the one that goes says every record up to its seq was written."""
+    acks = MetricAcks(beats_per_ack=3)
+    sent = []
+    for seq in range(1, 10):  # a record a beat, each acked by the store before the rank's next beat
+        assert acks.acked(KEY, ack(seq)) is None
+        if (down := acks.beat(KEY)) is not None:
+            sent.append((down.seq, down.records))
+    assert sent == [(3, 3), (6, 3), (9, 3)]  # what each says: every record up to it, counted once
+    assert acks.beat(KEY) is None  # (nothing held)
+
+
+def test_an_ack_lost_with_a_broken_session_is_covered_by_the_next_and_the_loops_end_gets_every_one_at_once():
+    acks = MetricAcks(beats_per_ack=3)
+    assert acks.acked(KEY, ack(1)) is None and acks.acked(KEY, ack(2)) is None
+    acks.forget(KEY)  # the session broke with seq 2 held: that news is lost with it
+    acks.submitted(KEY, store_pb2.MetricRecord(seq=4, stop=store_pb2.StopLogCollection(job_id="j")))
+    assert acks.acked(KEY, ack(3)) is None  # (held: not a beat's turn, not the stop's ack)
+    now = acks.acked(KEY, ack(4))  # the loop's stop record: at once, whatever the beats
+    assert (now.seq, now.records) == (4, 2)  # seq 4 covers 1..4: the lost ack's records with it

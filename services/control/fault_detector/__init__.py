@@ -57,7 +57,15 @@ law 4: a layer silent past its deadline is judged faulty by the layer above):
   so no replacement waits on a frozen agent), and its next beat reports that ``cleared``.
   The deadline is that agent session's: the worker's ``WorkerRegistration`` (heard here
   before L1-2) ends it, a withdrawal (its stream closed) as a new registration (a restarted
-  agent is heard from before its first beat; a silent report is ``cleared``).
+  agent is heard from before its first beat; a silent report is ``cleared``). Once armed, the
+  agent's beats that change nothing (same period, no quiet spell) move it on control's gRPC
+  loop as they are read, never queued (services/control/beat_stamps.py).
+
+* held verdicts (disruption.py): while control itself is behind (its loop, or its event
+  applier, by more than a second: services/control/control_health.py) or most agents are
+  quiet at once (a full disruption, as Kubernetes' node lifecycle controller sees one), an
+  agent's or a rank's silence verdict is held, not issued, and decided again once control
+  keeps up: slowness is never death.
 
 Both count from when control received the beat (``RankHeartbeat.received_monotonic``,
 stamped by the session relay before the event applier's queue), not from when this handler
@@ -164,6 +172,7 @@ from services.control.fault_detector.rules import (
     RANK_EXIT_CLEAN,
     RANK_LOG_FLOOD,
     RANK_MEMORY_ERROR,
+    RANK_NOT_STARTED,
     RANK_OOM,
     RANK_RELEASED,
     RANK_SILENT,
@@ -230,6 +239,7 @@ __all__ = [
     "RANK_EXIT_CLEAN",
     "RANK_LOG_FLOOD",
     "RANK_MEMORY_ERROR",
+    "RANK_NOT_STARTED",
     "RANK_OOM",
     "RANK_RELEASED",
     "RANK_SILENT",

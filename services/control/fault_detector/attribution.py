@@ -143,10 +143,16 @@ class Attribution:
                 # once every rank was heard from (see _release_held).
                 self._hold(job_id, report, window=job.reattach_s)
                 return
+            # A replaced incarnation's end is no cause of the symptoms held now (they are its
+            # successors'): published alone, nothing held goes with it.
+            alone = report.replaced
             # A silence is never a consequence: it is published as a cause at once.
-            if job.held and not _silence(report) and self._held_rank(job, rank):
+            if not alone and job.held and not _silence(report) and self._held_rank(job, rank):
                 job.held.append(report)  # the held rank's own exit follows its symptom
                 return
+        if alone:
+            self._emit(report)
+            return
         self._publish_cause(job_id, report)
 
     def _publish_cause(self, job_id: str, report: control_pb2.FaultReport) -> None:

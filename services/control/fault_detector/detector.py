@@ -29,7 +29,10 @@ from services.contract import (
 )
 from services.contract.bus import Emitter
 from services.control import metrics
+from services.control.beat_stamps import BeatStamps
+from services.control.control_health import ControlHealth
 from services.control.fault_detector.attribution import Attribution
+from services.control.fault_detector.disruption import Disruption
 from services.control.fault_detector.grading import Grading
 from services.control.fault_detector.links import Links
 from services.control.fault_detector.liveness import Liveness
@@ -71,12 +74,15 @@ from services.control.slow_ranks import SlowRanks
 _log = structlog.get_logger("fault_detector")
 
 
-class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
+class FaultDetector(Liveness, Disruption, Stalls, Attribution, Links, Grading):
     """Grades fault events by a frozen rule table and publishes ``FaultReport``.
 
     Args:
         emit: publishes this module's events (FaultReport).
         rules: fault class -> ``FaultGrade`` value; merged over ``DEFAULT_RULES``.
+        stamps: the agents' beats taken on control's loop (beat_stamps.py; shared with the
+            event applier); None: its own, which no loop writes.
+        health: control's own lag (control_health.py); None: never behind.
 
     Raises:
         ValueError: a rule names an unknown grade (the message names the class).
@@ -88,6 +94,8 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         rules: Mapping[str, int] | None = None,
         sick_nodes: SickNodePolicy | None = None,
         in_order: Callable[[Callable[[], None], str], None] | None = None,
+        stamps: BeatStamps | None = None,
+        health: ControlHealth | None = None,
     ):
         table = dict(DEFAULT_RULES)
         for fault_class, grade in (rules or {}).items():
@@ -131,6 +139,17 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         # their last beat, time.monotonic()).
         self._agents: dict[str, tuple[object, Deadline]] = {}
         self._silent_agents: dict[str, float] = {}
+        # The agents' beats taken on control's gRPC loop (the composition root's, shared with
+        # the event applier: beat_stamps.py), and control's own lag (control_health.py):
+        # verdicts whose deadline passed while control was behind are held (disruption.py):
+        # worker id -> (its deadline's token, wait), with the one check that looks at them again.
+        self._stamps = stamps if stamps is not None else BeatStamps()
+        self._health = health
+        self._held_agents: dict[str, tuple[object, float]] = {}
+        self._held_ranks: dict[tuple[str, int], Any] = {}  # (job, rank) -> its watch, verdict held
+        self._hold_check: Deadline | None = None
+        self._share_cache: tuple[float, int, int] | None = None
+        self._disrupted = False  # most agents were quiet at once, and not yet few of them again
         # Data-plane links (links.py): each end's last view, each link's combined state (absent:
         # up), and the links a link_down was reported for, by job, in which incident round.
         self._link_views: dict[tuple[str, str], Any] = {}
@@ -229,10 +248,17 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
     def on_rank_exited(self, msg: control_pb2.RankExited, payload: Any = None) -> None:
         """A rank process ended: its deadlines end with it. Every exit of a monitored job is
         graded: a code-0 exit is normal once the loop finished, but only the orchestrator
-        knows that; an exit after a release is one control asked for."""
+        knows that; an exit after a release is one control asked for. The exit of a replaced
+        incarnation (``replaced``, stated by the session relay) is graded as usual and reported
+        ``replaced`` (L1-1 decides; no node's sick count takes it); it ends the rank's deadlines
+        only where they are still that process's (last beat from its node: its successor has
+        not beaten yet, or runs on the same node, as before), never its successor's elsewhere."""
         with self._job_lock(msg.job_id):
             self._forget_process(msg.job_id, msg.rank, msg.worker_id, msg.pid)
             job = self._jobs.get(msg.job_id)
+            own = job.ranks.get(msg.rank) if job is not None else None
+            if job is not None and msg.replaced and (own is None or own.worker_id != msg.worker_id):
+                job = None  # (the rank's deadlines and slowdown are its newer incarnation's)
             watch = job.ranks.pop(msg.rank, None) if job is not None else None
             if watch is not None:
                 watch.cancel()
@@ -268,7 +294,10 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
             step=step,
             exit_cause=msg.cause,
             generation=msg.generation,
+            replaced=msg.replaced,
         )
+        if msg.replaced:
+            return
         if ended_slow is not None:  # (its replacement is judged afresh)
             self._report_slow(msg.job_id, ended_slow, 0)
         # (after the report: held with the rest, and ordered with it)
@@ -405,8 +434,13 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
             subclass=subclass,
             event=event,
             cause=failure.cause,
+            generation=failure.generation,
+            replaced=failure.replaced,
         )
         if report is None:
+            return
+        if failure.replaced:  # (a replaced incarnation's, for the record: never held, never a cause)
+            self._report_graded(msg.job_id, report)
             return
         self._hold_or_report(msg.job_id, msg.rank, report)
 
@@ -492,7 +526,17 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
         if fault_class in ALIASES:
             subclass, fault_class = fault_class, ALIASES[fault_class]
         report = self._graded(
-            job_id, fault_class, module, rank, detail, step=step, subclass=subclass, event=event, cause=failure.cause
+            job_id,
+            fault_class,
+            module,
+            rank,
+            detail,
+            step=step,
+            subclass=subclass,
+            event=event,
+            cause=failure.cause,
+            generation=failure.generation,
+            replaced=failure.replaced,
         )
         if report is None:
             _log.warning(
@@ -503,6 +547,9 @@ class FaultDetector(Liveness, Stalls, Attribution, Links, Grading):
                 cause=route_pb2.FailureCause.Name(failure.cause),
                 detail=failure.detail,
             )
+            return
+        if failure.replaced:  # (a replaced incarnation's, for the record: never held, never a cause)
+            self._report_graded(job_id, report)
             return
         if report.grade != FaultGrade.MINOR:
             # A failure whose report is decided: the loop failing with it is its consequence.

@@ -40,20 +40,25 @@ class Grading:
         exit_cause: int = 0,
         generation: int = 0,
         agent_unheard: bool = False,
+        replaced: bool = False,
     ) -> control_pb2.FaultReport | None:
         """``generation``: the launch of the rank that failed, where the fault says it (a rank's
-        exit): a node's sick count takes one launch's faults in one incident once."""
+        exit): a node's sick count takes one launch's faults in one incident once. ``replaced``:
+        that launch was replaced before the fault came up (the end of an incarnation already
+        written off): graded and reported, counted nowhere (not the node's fault now, not the
+        job's round: its incident was decided when the incarnation was replaced)."""
         now = time.time()
         sick = None
         with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None:
                 return None  # not a job this control started (e.g. ranks from a previous run)
-            self._counts[(job_id, fault_class)] += 1
-            job.round_faults += 1
-            if not worker_id and rank in job.ranks:
+            if not replaced:
+                self._counts[(job_id, fault_class)] += 1
+                job.round_faults += 1
+            if not worker_id and rank in job.ranks and not replaced:
                 worker_id = job.ranks[rank].worker_id
-            if worker_id and fault_class in NODE_FAULT_CLASSES:
+            if worker_id and fault_class in NODE_FAULT_CLASSES and not replaced:
                 kind = fault_class + (f"/{control_pb2.ExitCause.Name(exit_cause)}" if exit_cause else "")
                 with self._cluster:  # (across jobs: the node's faults)
                     sick = self._sick.record(NodeFault(worker_id, job_id, job.round, kind, now, generation))
@@ -75,6 +80,8 @@ class Grading:
             event=event,
             cause=cause,
             agent_unheard=agent_unheard,
+            generation=generation,
+            replaced=replaced,
         )
 
     def _alert_sick(self, sick: SickNode) -> None:

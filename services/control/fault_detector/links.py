@@ -291,6 +291,7 @@ class Links:
         if beat is None:
             return False
         last, period, quiet_ended = beat
+        last = max(last, self._stamps.last(worker_id) or last)  # (its beats taken on the loop)
         return now - last > QUIET_PERIODS * period or quiet_ended > after
 
     def _emit_link(

@@ -29,6 +29,10 @@ from services.control.slow_ranks import Finding
 
 _log = structlog.get_logger("fault_detector")
 
+# How often a restored job's re-attach window may be pushed out by its workers registering again
+# (each push moves every unheard rank's deadline: at most one a second per job).
+REATTACH_PUSH_S = 1.0
+
 
 class Liveness:
     """Rank and node agent liveness (a part of ``FaultDetector``, see detector.py)."""
@@ -44,8 +48,10 @@ class Liveness:
         with self._cluster:
             armed = self._agents.get(msg.worker_id)
             quiet_since = self._silent_agents.pop(msg.worker_id, None)
+            self._held_agents.pop(msg.worker_id, None)  # (a verdict held while control was behind: heard)
             period = msg.interval_seconds or 1.0
             last, _, quiet_ended = self._agent_beats.get(msg.worker_id, (received, period, 0.0))
+            last = max(last, self._stamps.last(msg.worker_id) or last)  # (its beats taken on the loop)
             back = received - last > QUIET_PERIODS * period  # (it was quiet: paused, stopped, starved)
             if back:
                 quiet_ended = received
@@ -65,6 +71,10 @@ class Liveness:
                         wait - (mono - received), self._agent_silence_passed, args, post=self._in_order("")
                     ),
                 )
+            # Its next beats of this period are taken on the loop that reads them (beat_stamps.py).
+            self._stamps.arm(
+                msg.worker_id, period, wait, QUIET_PERIODS * period, received, self._agents[msg.worker_id][1]
+            )
         if quiet_since is not None:
             self._agent_heard_again(msg.worker_id, f"beats again after {received - quiet_since:.1f} s")
         if back:
@@ -90,6 +100,8 @@ class Liveness:
             armed = self._agents.pop(msg.worker_id, None)
             if armed is not None:
                 armed[1].cancel()
+            self._unstamp(msg.worker_id)
+            self._held_agents.pop(msg.worker_id, None)
             quiet_since = self._silent_agents.pop(msg.worker_id, None) if msg.slots > 0 else None
             self._forget_link_views(msg.worker_id)  # (its agent restates them after registering)
         if quiet_since is not None:
@@ -99,9 +111,12 @@ class Liveness:
         """A worker a restored job's ranks ran on registered again after a control restart:
         the reconnect storm is still being absorbed, so the job's re-attach window is pushed
         out to ``reattach_s`` from now (its unheard ranks' deadlines moved; at most once per
-        half window, and each awaited worker once: the pushes end when its workers are back or
-        stop coming). Why: with 3,000 agents on a loaded control their registrations took 88 s
-        to come in against a 15 s window, and 4,766 healthy ranks were declared worker_lost."""
+        ``REATTACH_PUSH_S`` or a quarter window, whichever is shorter, and each awaited worker
+        once: the pushes end when its workers are back or stop coming). Why: with 3,000 agents on
+        a loaded control their registrations took 88 s to come in against a 15 s window, and
+        4,766 healthy ranks were declared worker_lost. A push only in the window's second half
+        (session 34's rule) missed a storm that came early and paused: 1,500 agents registered in
+        the first 7 s, the other 1,500 from 21 s on (hb37, load 45): 1,853 ranks lost at 15 s."""
         for job_id, job in list(self._jobs.items()):
             if worker_id not in job.reattach_awaited:
                 continue
@@ -109,9 +124,9 @@ class Liveness:
                 if worker_id not in job.reattach_awaited:
                     continue
                 job.reattach_awaited.discard(worker_id)
-                if not job.reattaching or job.reattach_until - now > job.reattach_s / 2:
+                if not job.reattaching or now - job.reattach_pushed < min(REATTACH_PUSH_S, job.reattach_s / 4):
                     continue
-                job.reattach_until = now + job.reattach_s
+                job.reattach_until, job.reattach_pushed = now + job.reattach_s, now
                 for rank in job.reattaching:
                     watch = job.ranks.get(rank)
                     if watch is not None and watch.unheard and watch.silence is not None:
@@ -135,16 +150,42 @@ class Liveness:
         )
 
     def _agent_silence_passed(self, worker_id: str, token: object, wait: float) -> None:
+        """The agent's silence deadline passed (decided in order on the node queue, behind
+        the beats control read before it fired): declared ``agent_silent``, unless a beat
+        stamped since moved it (armed again for the rest), or control itself is behind or
+        most agents went quiet at once (the verdict is held: disruption.py)."""
+        now = time.monotonic()
         with self._cluster:
             armed = self._agents.get(worker_id)
             if armed is None or armed[0] is not token:
                 return  # re-armed meanwhile
+            beat = self._agent_beats.get(worker_id)  # its last beat applied (the deadline moved with each)
+            stamped = self._stamps.last(worker_id)  # (the receipt its deadline counts from, or a later stamp)
+            received = max(beat[0] if beat is not None else now - wait, stamped or 0.0)
+            # A beat stamped on the loop as the deadline was being run (it moves the deadline
+            # otherwise: ``Deadline.run`` arms it again): held like a verdict while control is
+            # behind; the agent's next beat is applied and arms it anew, or the hold's end
+            # declares it then, if it beats no more.
+            heard = stamped is not None and now - stamped < wait
+        if self._hold_agent_verdict(worker_id, token, wait, heard=heard):
+            return
+        with self._cluster:
+            armed = self._agents.get(worker_id)
+            if armed is None or armed[0] is not token:
+                return  # heard meanwhile
             del self._agents[worker_id]
-            beat = self._agent_beats.get(worker_id)  # its last beat (the deadline moved with each)
-            received = beat[0] if beat is not None else time.monotonic() - wait
+            self._unstamp(worker_id)  # (its next beat is applied: it reports it cleared)
             self._silent_agents[worker_id] = received
         quiet = time.monotonic() - received
         self._report_agent_silent(worker_id, quiet, f" (its deadline {wait:.1f} s)")
+
+    def _unstamp(self, worker_id: str) -> None:
+        """Under ``_cluster``: the agent's next beat goes to the applier (beat_stamps.py); the
+        receipt of its last one taken on the loop is kept as its last beat heard."""
+        stamped = self._stamps.forget(worker_id)
+        beat = self._agent_beats.get(worker_id)
+        if stamped is not None and beat is not None and stamped > beat[0]:
+            self._agent_beats[worker_id] = (stamped, beat[1], beat[2])
 
     def _agent_unheard_with(self, worker_id: str, rank: int) -> None:
         """Rank ``rank`` of ``worker_id`` went silent and that node's agent was not heard from
@@ -162,6 +203,8 @@ class Liveness:
             armed = self._agents.pop(worker_id, None)
             if armed is not None:
                 armed[1].cancel()  # (declared here: its deadline would declare it a second time)
+            self._held_agents.pop(worker_id, None)
+            self._unstamp(worker_id)
             beat = self._agent_beats.get(worker_id)
             last = beat[0] if beat is not None else time.monotonic()
             self._silent_agents[worker_id] = last
@@ -209,6 +252,11 @@ class Liveness:
             if job is None:
                 return
             watch = job.ranks.get(msg.rank)
+            if msg.by_datagram and (watch is None or msg.unix_time < watch.sent_unix):
+                # It rode its agent's liveness datagram (progress only) and may have overtaken
+                # the session: the rank's start (no watch yet), its exit (watch gone: a beat
+                # must not arm a deadline for a rank already gone) or a later beat.
+                return
             if watch is None:
                 watch = job.ranks[msg.rank] = _RankWatch()
                 _log.debug(  # (debug: one line per rank is 8,192 lines at a large job's every start)
@@ -222,6 +270,7 @@ class Liveness:
                 )
             watch.worker_id = msg.worker_id or watch.worker_id
             watch.last_beat_unix, watch.unheard = now, False
+            watch.sent_unix = max(watch.sent_unix, msg.unix_time)
             job.back.add(watch.worker_id)
             watch.interval_s = msg.interval_seconds or watch.interval_s
             # Longer while its node agent states its process running: late beats are not a
@@ -342,9 +391,11 @@ class Liveness:
             return None
         with self._cluster:
             beat = self._agent_beats.get(worker_id)
+            stamped = self._stamps.last(worker_id)
         if beat is None:
             return None
         last, period, _ = beat
+        last = max(last, stamped or last)
         now = time.monotonic()
         if last <= now - silent_for or now - last > UNHEARD_PERIODS * period:
             return now - last
@@ -360,11 +411,18 @@ class Liveness:
         after a control restart whose worker (as journaled) sent nothing since is lost with it;
         a rank whose node agent, which relays its beats, went quiet with it (and did not state
         it stopped) is that agent's fault: ``worker_lost`` with ``subclass`` ``agent_silent``,
-        naming the agent (a healthy rank behind a hung agent was named silent, session 34)."""
+        naming the agent (a healthy rank behind a hung agent was named silent, session 34).
+        Held while control itself is behind (disruption.py): slowness is no one's death."""
         with self._job_lock(job_id):
             job = self._jobs.get(job_id)
             if job is None or job.ranks.get(rank) is not watch:
                 return  # the rank exited (or a new process of it beats) meanwhile
+        if self._hold_rank_verdict(job_id, rank, watch):
+            return
+        with self._job_lock(job_id):
+            job = self._jobs.get(job_id)
+            if job is None or job.ranks.get(rank) is not watch or watch.silence_due > time.monotonic():
+                return  # the rank exited, or beat, meanwhile
             state, stopped_how = self._process_state(job_id, rank, watch.worker_id)
             del job.ranks[rank]  # declared once; a new heartbeat starts a new watch
             watch.cancel()

@@ -19,9 +19,13 @@ RANK_EXIT = "rank_exit"  # a rank process ended with a non-zero code or a signal
 # signal, its sender where known) is in the detail.
 RANK_OOM = "rank_oom"
 RANK_MEMORY_ERROR = "rank_memory_error"
+# A rank its node agent could not start (an executable, or an evaluation job's command, that is
+# missing or not executable there): no relaunch would start it either.
+RANK_NOT_STARTED = "rank_not_started"
 EXIT_CAUSE_CLASSES = {
     control_pb2.EXIT_OOM_KILLED: RANK_OOM,
     control_pb2.EXIT_MEMORY_ERROR: RANK_MEMORY_ERROR,
+    control_pb2.EXIT_NOT_STARTED: RANK_NOT_STARTED,
 }
 RANK_EXIT_CLEAN = "rank_exit_clean"  # exit code 0: normal after the loop finished, early otherwise
 RANK_RELEASED = "rank_released"  # ended after control released it: an exit control asked for
@@ -92,6 +96,7 @@ DEFAULT_RULES: dict[str, int] = {
     RANK_EXIT_CLEAN: FaultGrade.MEDIUM,  # the orchestrator knows whether the rank had finished
     RANK_OOM: FaultGrade.SEVERE,  # relaunched once as it was, then the job pauses (fault_policy)
     RANK_MEMORY_ERROR: FaultGrade.SEVERE,
+    RANK_NOT_STARTED: FaultGrade.FATAL,  # the same missing executable on every relaunch
     RANK_RELEASED: FaultGrade.MINOR,
     # Slower, not failing: the job trains on at the slow rank's pace (fault_policy
     # actions.slow_rank: ignore by default, or replace / shrink).

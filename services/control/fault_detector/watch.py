@@ -47,6 +47,7 @@ class _RankWatch:
     last_beat_unix: float = 0.0
     last_progress_unix: float = 0.0
     interval_s: float = 0.0  # the rank's beat period, as its heartbeats state it
+    sent_unix: float = 0.0  # the newest RankHeartbeat.unix_time taken (a datagram's older one is not)
     stepping: bool = False
     phase: int = 0  # RankPhase of its last beat (PHASE_UNSPECIFIED: it does not say)
     phase_progress: int = 0  # units of the phase done, as its last beat said
@@ -106,6 +107,7 @@ class _Job:
     # window ends (monotonic): each of them registering pushes the end out (liveness.py).
     reattach_awaited: set[str] = field(default_factory=set)
     reattach_until: float = 0.0
+    reattach_pushed: float = float("-inf")  # when (monotonic) a registration last pushed it out
     restored_unix: float = 0.0  # a beat the rank sent before this is a resent one (stale)
     restored_step: int = 0  # the job's step as journaled: a rank unheard since the restart is at it
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger

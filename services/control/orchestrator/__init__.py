@@ -94,15 +94,18 @@ module). ``Orchestrator`` (core.py) joins the event handlers and commands, each 
 it in its own file, under its one decision lock (short: core.py's docstring gives the lock
 order; the operator's queries never take it):
 
-- core.py: the ports, the lock, the jobs, and what every part shares (recording an event, a
-  transition, a boundary command, the journal write, the status snapshot, ``job_query``);
+- core.py: the ports, the lock, the jobs, and what every part shares (a transition, a
+  boundary command, the status snapshot, ``job_query``);
+- decision_writes.py: recording an event, a decision's journal writes in order and the
+  commands held behind them until committed;
 - views.py: the job statuses as published after each decision, which the queries read;
 - queue.py: submit, admission and the queue (a job waits STANDBY until its ranks fit);
 - operator.py: pause (and drain), resume, stop, delete, revoke a standing order;
 - resume.py: an operator resume that relaunches a stopped, failed or parked job;
 - resize.py: `surgectl scale` and growing back after a shrink;
 - training.py: the rank events (started, step, eval, save, paused, finished, failed, step fault);
-- faults.py: fault intake (FaultReport, failed saves, worker health, resource pressure);
+- faults.py: fault intake (FaultReport, failed saves, resource pressure);
+- worker_health.py: a worker's own fault, a sick node's quarantine, cordons and `surgectl uncordon`;
 - recovery.py: the decision on a new incident and the recovery sequence;
 - recovery_waits.py: a recovery step's waits, retries and timers (the waits' machine applied);
 - freeze.py: a decided relaunch held while the ranks stay alive for inspection
@@ -114,7 +117,7 @@ order; the operator's queries never take it):
 - journal.py: restore after a control restart.
 
 and plain records and functions: job.py (``_Job``, ``_Incident``, ``_Scale``, the legal
-transitions, the journal form), activity.py (a job's one activity in flight: a recovery,
+transitions), job_journal.py (a job's journal form, written and read back), activity.py (a job's one activity in flight: a recovery,
 a resize, a rollback in place or an operator resume, and ``admit``, the one rule for what a
 second one gets: started, folded in, refused or superseding it), triage.py (what a fault
 report is to its job: a pure function), replacement_nodes.py (where a rebuild in place may put
@@ -138,6 +141,7 @@ from services.control.orchestrator.job import (
     RESUME_MESSAGE,
     STORE_UNREACHABLE,
 )
+from services.control.orchestrator.preemption import PREEMPTION_CLAIM_S
 from services.control.orchestrator.refusals import (
     IllegalTransition,
     InsufficientResources,
@@ -154,6 +158,7 @@ __all__ = [
     "CONSEQUENCE_DETAIL_CHARS",
     "EVENT_LOG",
     "NO_CAPACITY",
+    "PREEMPTION_CLAIM_S",
     "REATTACHED_MESSAGE",
     "REATTACH_MESSAGE",
     "RECOVERY_TIMEOUT",

@@ -12,7 +12,7 @@ dumped once per group: job_store.py ``_save_statements``).
 
 What still waits for the commit, released from it:
 - the ack to the node agent: the write carries the event's cursor and the session hub acks
-  from its future (session_hub.py ``_ack_when``): an event acked is durable, and an event
+  from its future (exactly_once.py ``_ack_when``): an event acked is durable, and an event
   whose write failed is not acked (resent after a reconnect or a restart), as before;
 - the commands to the ranks and the releases (the job's ``Outbox``): once the job's last
   write of the decision is done, the job's drain is handed off the writer's thread
@@ -65,7 +65,7 @@ class CommitLater:
     def _decision_over(self, error: BaseException | None) -> None:
         """The decision lock was let go by this thread: a decision of ``_commit_later`` that
         raised nothing, registered no undo and asked for no start of the queue's head goes on
-        (``_released_on_commit``); any other waits for its writes (core.py ``_after_decision``)."""
+        (``_released_on_commit``); any other waits for its writes (decision_writes.py ``_after_decision``)."""
         decided = self._decided
         msg, decided.go_on = getattr(decided, "go_on", None), None
         if msg is None or error is not None or getattr(decided, "undos", None) or getattr(decided, "start", False):

@@ -1,5 +1,6 @@
-"""Fault intake: graded ``FaultReport`` (L1-3), failed saves and verifications (L5-1), worker
-health and resource pressure (L1-2), each recorded and handed to a decision or to triage."""
+"""Fault intake: graded ``FaultReport`` (L1-3), failed saves and verifications (L5-1) and
+resource pressure (L1-2), each recorded and handed to a decision or to triage. A report of a
+worker itself (no job) goes to worker_health.py."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 import structlog
 
+from services.common import save_failing
 from services.contract import Module, control_pb2, route_pb2, store_pb2
 from services.control import fault_decision as fd
 from services.control.orchestrator.job import (
@@ -21,9 +23,14 @@ from services.control.orchestrator.job import (
     _Incident,
     _Job,
 )
-from services.control.orchestrator.refusals import WorkerNotCordoned
-from services.control.orchestrator.replacement_nodes import held_detail, waiting_on
-from services.control.orchestrator.texts import _broken_text, _failed_text, _failure_name, _gib, _newest
+from services.control.orchestrator.texts import (
+    _broken_text,
+    _failed_text,
+    _failure_name,
+    _gib,
+    _newest,
+    _write_error_name,
+)
 from services.control.orchestrator.triage import (
     _EXITS,
     _HANDLED_ON_RECEIPT,
@@ -33,7 +40,9 @@ from services.control.orchestrator.triage import (
     NORMAL_END,
     RELEASED,
     RESUMED,
-    _consequence,
+    STALE,
+    _stale_text,
+    consequence_event,
     triage,
 )
 from services.jobspec import (
@@ -42,11 +51,6 @@ from services.jobspec import (
 )
 
 _log = structlog.get_logger("orchestrator")
-
-
-# L1-3's class of a node lost under a job's ranks (fault_detector/rules.py WORKER_LOST): what a
-# silent agent's node is to a rebuild waiting for a replacement there (_replacements_held).
-WORKER_LOST = "worker_lost"
 
 
 # L1-3's slow-rank findings (services/control/fault_detector/rules.py SLOW_RANK, SLOW_RANK_CLEARED).
@@ -108,8 +112,9 @@ class FaultIntake:
         records it and does what follows. A report from a rank of a generation being
         recovered from is a consequence of the incident: recorded, not decided on. An exit
         control asked for (``rank_released``) or the clean exit of a rank that had finished
-        needs no decision. A clean exit of a rank that never finished is a lost rank (decided
-        as ``rank_exit``).
+        needs no decision, nor the end of an incarnation the job already replaced (``STALE``:
+        recorded as that incarnation's end, not counted as a fault). A clean exit of a rank
+        that never finished is a lost rank (decided as ``rank_exit``).
         """
         if not msg.job_id:
             self._on_worker_fault(msg)
@@ -136,10 +141,18 @@ class FaultIntake:
             kind = triage(msg, job)
             if kind == JOB_ENDED:
                 return  # e.g. ranks exiting after the job ended: expected, nothing to decide
-            self._metrics.fault_reported(msg, received)
+            if kind not in (NORMAL_END, STALE) and msg.fault_class != "rank_released":
+                # (a finished rank's clean exit, an exit control asked for and a replaced
+                # incarnation's end are no faults: counted, an alert on MEDIUM fired at every
+                # successful job, and one frozen agent counted twice)
+                self._metrics.fault_reported(msg, received, consequence=kind in (CONSEQUENCE, LATE))
+            if kind == STALE:
+                self._commit_later(msg)
+                self._record(job, Module.L1_FAULT_DETECTOR, "rank", _stale_text(msg))
+                return
             if self._handled_on_receipt(job, msg):
                 return
-            text = f"{FaultGrade.Name(msg.grade)} {msg.fault_class}: {msg.detail}"
+            text = f"{FaultGrade.Name(msg.grade)} {fd.named(msg.fault_class, msg)}: {msg.detail}"
             ended = msg.fault_class in _EXITS
             incident = job.incident
             if kind == RESUMED:
@@ -155,8 +168,9 @@ class FaultIntake:
                 self._record(
                     job,
                     Module.L1_FAULT_DETECTOR,
-                    "fault",
-                    _consequence(msg, f"rank {late.cause.rank}'s {late.fault_class}, reported after the recovery"),
+                    *consequence_event(
+                        msg, f"rank {late.cause.rank}'s {late.fault_class}, reported after the recovery"
+                    ),
                 )
                 return
             if kind == CONSEQUENCE:
@@ -164,10 +178,7 @@ class FaultIntake:
                     incident.dying[msg.rank] -= 1
                 cause = incident.cause
                 self._record(
-                    job,
-                    Module.L1_FAULT_DETECTOR,
-                    "fault",
-                    _consequence(msg, f"rank {cause.rank}'s {cause.fault_class}"),
+                    job, Module.L1_FAULT_DETECTOR, *consequence_event(msg, f"rank {cause.rank}'s {cause.fault_class}")
                 )
                 return
             if ended:
@@ -358,8 +369,8 @@ class FaultIntake:
         and the step is retried. ``save``: a checkpoint could not be written; training goes on
         and the next interval tries again (no decision: a store outage is not a training
         fault)."""
-        if self._resume_answered(msg):
-            return
+        if msg.failure.replaced or self._resume_answered(msg):
+            return  # (a replaced incarnation's save: recorded stale through L1-3's grade, no failed save)
         with self._lock:
             job = self._jobs.get(msg.job_id)
             if job is None or job.status.state == JobState.TERMINATED:
@@ -379,18 +390,23 @@ class FaultIntake:
         cause = StoreFailureCause.Name(msg.cause).lower() if msg.cause else _failure_name(msg)
         self._metrics.checkpoint_failed(cause)
         what = f"checkpoint {msg.operation}" + (f" of {msg.version}" if msg.version else "")
+        peer = not msg.cause and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION
+        if msg.operation == "save" and not peer:  # (a peer lost in its collectives: the recovery's to tell)
+            save_failing.note(job.status.save_failing, msg, time.time())  # (`surgectl status`, `down`: why)
         if msg.operation == "save" and job.pending and msg.step == job.pending_at:
-            # The boundary checkpoint of a pause, stop or drain: nothing continues after it.
+            # The boundary checkpoint of a pause, stop or drain (a drain's save in place of a
+            # paused step too: operator.py ``_drain_unsaved_pause``): nothing continues after it.
             job.boundary_failed = True
+            cause += f", {_write_error_name(msg)}" if msg.cause == StoreFailureCause.WRITE_REFUSED else ""  # (which)
             self._record(
                 job,
                 Module.L5_CHECKPOINT_MANAGER,
                 "checkpoint",
-                f"{what} failed ({cause}: {msg.reason}): the {job.pending} after step {msg.step} has no "
-                f"checkpoint of it; the newest is {_newest(job) or 'none'}",
+                f"{what} failed ({cause}: {msg.reason}): the {'drain' if job.draining else job.pending} after step "
+                f"{msg.step} has no checkpoint of it; the newest is {_newest(job) or 'none'}",
             )
             return
-        if not msg.cause and msg.failure.cause == route_pb2.FailureCause.FAILURE_COMMUNICATION:
+        if peer:
             self._broken_by_peer(job, msg, what)
             return
         self._record(job, Module.L5_CHECKPOINT_MANAGER, "checkpoint", _failed_text(what, cause, msg))
@@ -468,117 +484,3 @@ class FaultIntake:
                 job = self._jobs.get(job_id)
                 if job is not None and job.status.state != JobState.TERMINATED:
                     self._record(job, Module.L1_RESOURCE_ALLOCATOR, "resource", text)
-
-    # ------------------------------------------------------------ worker health (L1-3, L1-2)
-
-    def _on_worker_fault(self, msg: control_pb2.FaultReport) -> None:
-        """A fault of a worker itself (a report with no job: a device's error, reported once
-        for its node whether or not a job runs there). A class that cordons
-        (``fd.CORDON_CLASSES``) takes the worker out of placement for every job, new or
-        relaunched, until its node agent registers again as another incarnation (L1-2 ends
-        it then). The jobs with ranks there decide on their own reports, by their policies.
-        A class that holds (``fd.HOLD_CLASSES``: a node agent silent past its beats) takes it
-        out of placement until the report that it ``cleared`` (the agent beats again): a
-        replacement is never placed on a frozen or cut-off agent's node."""
-        if msg.fault_class in fd.HOLD_CLASSES:
-            self._allocator(
-                control_pb2.CordonWorker(
-                    worker_id=msg.worker_id, reason=msg.detail, unix_time=time.time(), hold=True, lift=msg.cleared
-                )
-            )
-            _log.warning("worker placement held" if not msg.cleared else "worker placement hold ended",
-                         worker_id=msg.worker_id, reason=msg.detail)  # fmt: skip
-            if not msg.cleared:
-                self._replacements_held(msg)
-            return
-        if msg.fault_class not in fd.CORDON_CLASSES:
-            return
-        with self._lock:
-            if msg.worker_id in self._cordoned:
-                return  # (a second device of the node, or the same error again)
-        reason = f"{msg.fault_class}: {msg.detail}"
-        cordon = self._allocator(
-            control_pb2.CordonWorker(worker_id=msg.worker_id, reason=reason, unix_time=time.time())
-        )
-        _log.warning("worker cordoned", worker_id=msg.worker_id, reason=reason)
-        self.on_worker_cordoned(cordon.message)
-
-    def _replacements_held(self, msg: control_pb2.FaultReport) -> None:
-        """A node agent silent (``agent_silent``, its worker just held) while a rebuild in place
-        waits for replacements launched there: to that job its worker is lost (``worker_lost``,
-        ``subclass`` naming the agent's silence), decided by its policy (a rebuild again, placed
-        elsewhere: the node is held) instead of waiting until the node wakes."""
-        with self._lock:
-            for job in list(self._jobs.values()):
-                ranks = waiting_on(job, msg.worker_id)
-                if not ranks or job.status.state == JobState.TERMINATED:
-                    continue
-                report = control_pb2.FaultReport(
-                    job_id=job.status.job_id,
-                    grade=msg.grade,
-                    fault_class=WORKER_LOST,
-                    subclass=msg.fault_class,
-                    source=msg.source,
-                    rank=ranks[0],
-                    detail=held_detail(ranks, msg),
-                    detected_unix=msg.detected_unix,
-                    occurred_unix=msg.occurred_unix,
-                    worker_id=msg.worker_id,
-                )
-                self._record(job, Module.L1_FAULT_DETECTOR, "fault", f"{FaultGrade.Name(msg.grade)} "
-                             f"{WORKER_LOST} ({msg.fault_class}): {report.detail}")  # fmt: skip
-                self._decide(job, report)
-
-    def on_fault_backlog_alert(self, msg: control_pb2.FaultBacklogAlert, payload: Any = None) -> None:
-        """A sick node (L1-3: its rank faults piled up across jobs and incidents): quarantined,
-        out of placement for every new or relaunched rank until the operator's `surgectl
-        uncordon` (a restarted node agent does not end it). Its running ranks are not touched:
-        each job decides on its own faults. Journaled with the other cordons."""
-        with self._lock:
-            if msg.worker_id in self._cordoned:
-                return  # (cordoned already: a device's error, or quarantined)
-        reason = f"quarantined: {msg.detail}"
-        cordon = self._allocator(
-            control_pb2.CordonWorker(worker_id=msg.worker_id, reason=reason, unix_time=time.time(), quarantine=True)
-        )
-        _log.warning("worker quarantined", worker_id=msg.worker_id, reason=reason)
-        self.on_worker_cordoned(cordon.message)
-
-    def uncordon_worker_request(
-        self, msg: control_pb2.UncordonWorkerRequest, payload: Any = None
-    ) -> control_pb2.JobList:
-        """`surgectl uncordon NODE`: the worker's cordon (a quarantine, a device's) ends; new
-        and relaunched ranks may be placed there again. Returns the cordons still in force
-        (``JobList.cordoned``, no jobs).
-
-        Raises:
-            WorkerNotCordoned: the worker has no cordon (one line naming it and those that have).
-        """
-        with self._lock:
-            known = sorted(self._cordoned)
-        if msg.worker_id not in known:
-            held = f"cordoned: {', '.join(known)}" if known else "no worker is cordoned"
-            raise WorkerNotCordoned(f"uncordon: worker {msg.worker_id!r} is not cordoned ({held})")
-        ended = self._allocator(control_pb2.CordonWorker(worker_id=msg.worker_id, clear=True)).message
-        _log.info("worker uncordoned by the operator", worker_id=msg.worker_id)
-        self.on_worker_cordoned(ended)
-        with self._lock:
-            self._start_soon()  # (a job waiting for slots may fit now)
-            return control_pb2.JobList(cordoned=list(self._cordoned.values()))
-
-    def on_worker_cordoned(self, msg: control_pb2.WorkerCordoned, payload: Any = None) -> None:
-        """A cordon in force (L1-2's reply to CordonWorker) or ended (``cleared``: the
-        worker's node agent registered as another incarnation): journaled, so a restarted
-        control commands it again, and listed with the jobs (``JobList.cordoned``)."""
-        with self._lock:
-            if msg.cleared:
-                ended = self._cordoned.pop(msg.worker_id, None)
-            else:
-                self._cordoned[msg.worker_id] = msg
-            self._views.publish_cordons(list(self._cordoned.values()))
-        if not msg.cleared:
-            self._journal.save_cordon(msg)
-            return
-        if ended is not None:
-            _log.info("worker cordon ended: its node agent registered again", worker_id=msg.worker_id)
-        self._journal.delete_cordon(msg.worker_id)  # (also one restored for an agent gone meanwhile)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 from services.contract import engine_pb2
+from services.control.fault_decision import named
 from services.control.orchestrator.job import FROZEN, ORCH, JobState, _Incident, _Job
 from services.jobspec import IN_PLACE_ACTIONS
 
@@ -32,7 +33,7 @@ def frozen_text(job: _Job, incident: _Incident) -> str:
     """The job's status message while held: why, until when, what runs then, what the operator can do."""
     job_id = job.status.job_id
     return (
-        f"held for inspection after {incident.fault_class} of rank {incident.cause.rank} until "
+        f"held for inspection after {named(incident.fault_class, incident.cause)} of rank {incident.cause.rank} until "
         f"{_clock(incident.frozen_until)} (fault_policy.freeze_seconds): its ranks are alive and idle; "
         f"then {incident.action} runs; `surgectl thaw {job_id}` runs it now, `surgectl stop {job_id}` ends the job"
     )
@@ -67,7 +68,7 @@ class Freezing:
         and start its recovery. The recovery's clock starts now (the hold is not recovery time)."""
         self._cancel_timer(incident)
         incident.decided = time.monotonic()
-        message = f"recovering from {incident.fault_class} of rank {incident.cause.rank}"
+        message = f"recovering from {named(incident.fault_class, incident.cause)} of rank {incident.cause.rank}"
         self._record(
             job, ORCH, "decision", f"{why}: {incident.action} after {incident.fault_class} of rank "
             f"{incident.cause.rank} runs now", status_message=message,

@@ -9,7 +9,8 @@ that needs more slots than are registered holds back no one); (3) among the jobs
 grow: the higher priority first, then the older (submitted first), then the job id; each takes
 what its new ranks need and the next gets the rest; (4) a job resizes at most once per
 ``min_interval_s`` (a grow-back tried earlier waits for its interval to end: no job flaps
-between sizes as slots come and go).
+between sizes as slots come and go). Rule (2) holds for `surgectl scale`'s growth too
+(resize.py ``_check_growth``: refused, not kept waiting).
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
 """A job's record (``_Job``), the records of its one activity in flight (``_Incident``: a
 recovery, ``_Scale``: a resize, ``_Reload``: a rollback in place, ``_Resume``: an operator
-resume; admitted by activity.py), the state machine's legal transitions, and the job's
-journal form (``_runtime`` / ``_load_runtime``)."""
+resume; admitted by activity.py) and the state machine's legal transitions. The job's
+journal form (``_runtime`` / ``_load_runtime``) is job_journal.py."""
 
 from __future__ import annotations
 
-import base64
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,8 +15,6 @@ from services.control import fault_decision as fd
 from services.control.job_queue import QueueEntry
 from services.jobspec import (
     JobSpec,
-    spec_from_json,
-    spec_to_json,
 )
 
 JobState = control_pb2.JobState
@@ -194,6 +190,7 @@ class _Reload:
     step: int
     phase: str = "pausing"  # pausing | loading
     since: float = 0.0  # time.monotonic() it was asked (not journaled)
+    asked_unix: float = 0.0  # time.time() it was asked (journaled: an ask folded into it says when)
 
 
 @dataclass
@@ -267,6 +264,10 @@ class _Job:
     # "rank 0 on worker  sent no heartbeat"). Apart from ``placement``: a rank launched is not yet
     # one that runs there for a drain, a preemption or a rebuild.
     launched: dict[int, str] = field(default_factory=dict)
+    # rank -> the generation of its newest launch (ResourcesReady / RecoveryCompleted
+    # .rank_generation), journaled: after a control restart an older incarnation's end that
+    # comes up before the newer one's agent re-registers is still known replaced (triage STALE).
+    generations: dict[int, int] = field(default_factory=dict)
     start_held: bool = False  # recovered while paused: the ready ranks wait for StartTraining
     boundary_failed: bool = False  # the checkpoint of the pause/stop boundary in flight could not be saved
     # Versions committed after the one an operator resume went back to: another branch of
@@ -275,9 +276,12 @@ class _Job:
     step_seconds: float = 0.0  # rank 0's recent step time (from its StepCompleted times; not journaled)
     last_step_unix: tuple[int, float] = (0, 0.0)  # (step, unix_time) of the last one applied
     # JobStatus.tokens_per_second, the one definition `surgectl status` and the end-of-run
-    # summary both show: tokens / step seconds summed over the steps applied since this
-    # control took the job, its first step (compilation, warm-up) left out; not journaled.
-    throughput: tuple[int, float] = (0, 0.0)
+    # summary both show: tokens / step seconds summed over the job's steps, the first one
+    # (compilation, warm-up) and the first after a control restart left out; journaled
+    # (fresh37b: after `down` / `up` it covered the steps since the resume only).
+    # The third term, sum of each step's MFU x its seconds, gives JobStatus.mfu over the
+    # same steps (MFU and tokens/s shown side by side describe one window).
+    throughput: tuple[int, float, float] = (0, 0.0, 0.0)
     throughput_warm: bool = False  # the first step was seen (and left out)
     # Operator actions (issue 12 part 7). ``draining``: the pause in flight is a drain
     # (`surgectl down`); ``parked``: PAUSED and its ranks are gone (drained, or stopped with
@@ -311,6 +315,14 @@ class _Job:
     # of the job (another step) is not taken for it. Journaled (a control restart between the
     # two `down`s keeps it).
     drain_unsaved_step: int = 0
+    # The step a drain's paused ranks save in place (``_drain_unsaved_pause``; 0: the drain
+    # pauses at the next boundary): shown while ``draining`` (JobStatus.draining_step). Journaled.
+    drain_save_step: int = 0
+    # Queued, having preempted others (preemption.py): the unix time its claim on the slots its
+    # victims free ends (teams.py ``_claims``; 0: none set). Until then it is first in line for
+    # them; after, it waits at its place in the fair order (a victim that never frees its slots
+    # held them for it, and every job of its kind behind it, forever). Journaled.
+    claim_until: float = 0.0
     # A resume that did not fit, waiting in the queue: {"version", "step", "spec" (a new
     # layout's spec JSON, "" for the job's own)} it relaunches from once placed (journaled).
     relaunch: dict | None = None
@@ -392,8 +404,13 @@ class _Job:
         return max(self.micro_batch_cap_seen, self.spec.data.micro_batch_size)
 
 
-def launched_on(reply: control_pb2.ResourcesReady) -> dict[int, str]:
-    """rank -> the worker the allocator launched it on (``{}`` from an allocator that does not say)."""
+def launched_on(reply: control_pb2.ResourcesReady | control_pb2.RecoveryCompleted, job: _Job) -> dict[int, str]:
+    """rank -> the worker the allocator launched it on (``{}`` from an allocator that does not
+    say); notes the launched ranks' generation in ``job.generations`` (every rank of a launch,
+    a rebuild's replacements only)."""
+    if reply.rank_generation:
+        for r in reply.replaced_ranks or range(len(reply.rank_worker_ids) or reply.world_size):
+            job.generations[r] = max(job.generations.get(r, 0), reply.rank_generation)
     return {r: w for r, w in enumerate(reply.rank_worker_ids) if w}
 
 
@@ -411,162 +428,6 @@ def _where(job: _Job) -> str:
     if job.pending_at:
         return f"after step {job.pending_at}"
     return f"at the next step boundary every rank agrees on (command #{job.pending_seq} to the ranks)"
-
-
-def _runtime(job: _Job) -> dict:
-    """The bookkeeping a restarted control needs to continue the job (journaled with every
-    event): who started / paused / finished, a pause or stop in flight, restart budgets
-    spent, checkpoint versions, the workers excluded, the recovery in flight (its cause,
-    the version it loads, whether its relaunch was commanded and completed), the verdicts the
-    ranks may ask for again and the standing orders withdrawn from them."""
-    return {
-        "started": sorted(job.started),
-        "paused": sorted(job.paused),
-        # (int keys, as placement's: JSON writes them as strings; a copy in C, per record: one
-        # per rank's finish and exit, O(world) each, the str() of every key was most of a finish)
-        "finished": dict(job.finished),
-        "pending": job.pending,
-        "pending_at": job.pending_at,
-        "pending_seq": job.pending_seq,
-        "commands": job.commands,
-        "in_flight": [
-            [type(m).__name__, base64.b64encode(m.SerializeToString()).decode()] for m in job.in_flight.values()
-        ],
-        "running_since": job.running_since,
-        "exited": sorted(job.exited),
-        "restarts": dict(job.restarts),
-        "ignored": dict(job.ignored),
-        "versions": [list(v) for v in job.versions],
-        "unusable": sorted(job.unusable),
-        "excluded": sorted(job.excluded),
-        "placement": dict(job.placement),  # (int keys: JSON writes them as strings; a copy in C, per event)
-        "launched": dict(job.launched),  # (empty once every rank reported ready)
-        "start_held": job.start_held,
-        "abandoned": sorted(job.abandoned),
-        "incident": _incident_to_json(job.incident) if job.incident is not None else None,
-        "draining": job.draining,
-        "parked": job.parked,
-        "resume_after_pause": job.resume_after_pause,
-        "drain_unsaved_step": job.drain_unsaved_step,
-        "relaunch": job.relaunch,
-        "verdicts": [base64.b64encode(v.SerializeToString()).decode() for v in job.verdicts.values()],
-        "revoked": {str(order): list(revoked) for order, revoked in job.revoked.items()},
-        "queued": job.queued.to_json() if job.queued is not None else None,
-        "grow_to": list(job.grow_to),
-        "last_resize": job.last_resize,
-        "micro_batch_cap": job.micro_batch_cap_seen,
-        "scale": _scale_to_json(job.scale) if job.scale is not None else None,
-        "reload": [job.reload.version, job.reload.step, job.reload.phase] if job.reload is not None else None,
-    }
-
-
-def _incident_to_json(i: _Incident) -> dict:
-    return {
-        "cause": base64.b64encode(i.cause.SerializeToString()).decode(),
-        "fault_class": i.fault_class,
-        "action": i.action,
-        # (int keys, as placement's, zeros kept and dropped at load: a copy in C, per record; the
-        # comprehension with str() of every key was O(world) Python per rank exit of a recovery)
-        "dying": dict(i.dying),
-        "version": i.version,
-        "bound": i.bound,
-        "exclude": list(i.exclude),
-        "lost": list(i.lost),
-        "shrunk": spec_to_json(i.shrunk) if i.shrunk is not None else "",
-        "relaunched": i.relaunched,
-        "phase": i.phase,
-        "paused": i.paused,
-        "frozen_until": i.frozen_until,
-        "reload": i.reload,
-        "verdict": base64.b64encode(i.verdict.SerializeToString()).decode() if i.verdict is not None else "",
-    }
-
-
-def _incident_from_json(d: dict) -> _Incident:
-    """The recovery in flight as journaled, ``resumed``: until a relaunched rank reports
-    ready, nothing says its relaunch reached the node agents. Even one journaled as done
-    (``relaunched``) was only queued to the sessions: control killed right after may never
-    have sent it (seen in CI: the old ranks still ran and the new never came).
-    Its clock (``decided``) starts again now: the time before the restart is not measured."""
-    relaunched = bool(d.get("relaunched", False))
-    phase = d.get("phase", RESTORING if relaunched else PLACING)
-    verdict = engine_pb2.StepVerdict.FromString(base64.b64decode(d["verdict"])) if d.get("verdict") else None
-    return _Incident(
-        cause=control_pb2.FaultReport.FromString(base64.b64decode(d["cause"])),
-        fault_class=d["fault_class"],
-        # A rebuild caught by a control restart stays one: if its ranks report ready, it
-        # completed; if it must be commanded again, the allocator no longer knows the
-        # placement and the orchestrator falls back to relaunching every rank (_place).
-        action=d["action"],
-        lost=[int(r) for r in d.get("lost", ())],
-        shrunk=spec_from_json(d["shrunk"]) if d.get("shrunk") else None,
-        decided=time.monotonic(),
-        dying=Counter({int(r): int(n) for r, n in d.get("dying", {}).items() if int(n) > 0}),
-        version=d.get("version", ""),
-        bound=d.get("bound"),
-        exclude=list(d.get("exclude", ())),
-        relaunched=relaunched,
-        # (held for inspection: nothing was relaunched, the failed generation's ranks re-attach)
-        resumed=phase != FROZEN,
-        phase=phase,
-        paused=bool(d.get("paused", False)),
-        frozen_until=float(d.get("frozen_until", 0.0)),
-        reload=bool(d.get("reload", False)),
-        verdict=verdict,
-    )
-
-
-def _load_runtime(job: _Job, rt: dict) -> None:
-    job.started, job.paused = set(rt.get("started", ())), set(rt.get("paused", ()))
-    job.finished = {int(r): bool(v) for r, v in rt.get("finished", {}).items()}
-    # ("scale" / "reload": the restored activity's phase says it)
-    job.boundary, job.pending_at = (
-        rt.get("pending", "") if rt.get("pending") in ("pause", "stop") else "",
-        int(rt.get("pending_at", 0)),
-    )
-    job.pending_seq, job.commands = int(rt.get("pending_seq", 0)), int(rt.get("commands", 0))
-    sent = (getattr(engine_pb2, kind).FromString(base64.b64decode(b)) for kind, b in rt.get("in_flight", ()))
-    job.in_flight = {m.seq: m for m in sent}
-    job.running_since = float(rt.get("running_since", 0.0))
-    job.exited = set(rt.get("exited", ()))
-    job.restarts, job.ignored = Counter(rt.get("restarts", {})), Counter(rt.get("ignored", {}))
-    job.versions = [(int(step), str(v)) for step, v in rt.get("versions", ())]
-    job.unusable = set(rt.get("unusable", ()))
-    job.excluded = set(rt.get("excluded", ()))
-    job.placement = {int(r): str(w) for r, w in rt.get("placement", {}).items()}
-    job.launched = {int(r): str(w) for r, w in rt.get("launched", {}).items()}
-    job.start_held = bool(rt.get("start_held", False))
-    job.abandoned = set(rt.get("abandoned", ()))
-    job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
-    job.resume_after_pause = bool(rt.get("resume_after_pause", False))
-    job.drain_unsaved_step = int(rt.get("drain_unsaved_step", 0))
-    job.relaunch = rt.get("relaunch") or None
-    verdicts = (engine_pb2.StepVerdict.FromString(base64.b64decode(v)) for v in rt.get("verdicts", ()))
-    job.verdicts = {(v.step, v.kind): v for v in verdicts}
-    # (a journal of an older control: the step it named, no number)
-    job.revoked = {
-        int(order): tuple(int(v) for v in r) if isinstance(r, list) else (0, int(r))
-        for order, r in rt.get("revoked", {}).items()
-    }
-    # (one activity is journaled at a time; a journal of an older control holding two keeps
-    # the recovery, which gave the others up)
-    if rt.get("incident"):
-        job.activity = _incident_from_json(rt["incident"])
-    job.grow_to = tuple(int(n) for n in rt.get("grow_to", ()))
-    job.last_resize = float(rt.get("last_resize", 0.0))
-    job.micro_batch_cap_seen = int(rt.get("micro_batch_cap", 0))
-    if rt.get("reload") and job.activity is None:
-        version, step, phase = rt["reload"]
-        job.activity = _Reload(str(version), int(step), phase=str(phase), since=time.monotonic())
-    if rt.get("scale") and job.activity is None:
-        d = rt["scale"]
-        job.activity = _Scale(
-            spec_from_json(d["spec"]), d["why"], phase=d["phase"], old_dp=int(d["old_dp"]), since=time.monotonic()
-        )
-
-
-def _scale_to_json(scale: _Scale) -> dict:
-    return {"spec": spec_to_json(scale.spec), "why": scale.why, "phase": scale.phase, "old_dp": scale.old_dp}
 
 
 def _rebuilding(scale: _Scale | None) -> bool:

@@ -15,8 +15,8 @@ from services.control.orchestrator.job import (
     JobState,
     _Incident,
     _Job,
-    _load_runtime,
 )
+from services.control.orchestrator.job_journal import _load_runtime
 from services.control.orchestrator.layout import _set_layout
 from services.jobspec import (
     spec_from_json,
@@ -76,7 +76,9 @@ class JournalRestore:
                 # be refused for it)
                 end(job)
             if state == JobState.STANDBY and stored.runtime.get("queued"):  # waits in the queue, in its place
-                job.queued = self._queue.restore(job.status.job_id, stored.runtime["queued"])
+                # (a journal of an older control: no submission time, its job's creation's)
+                queued = {"submitted": job.status.created_unix, **stored.runtime["queued"]}
+                job.queued = self._queue.restore(job.status.job_id, queued)
                 continue
             if self._restore_parked(job):  # (operator half: drained / parked jobs have no ranks to wait for)
                 continue

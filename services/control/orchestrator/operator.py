@@ -76,6 +76,7 @@ class OperatorCommands:
                 if not job.draining:
                     before = Before.of(job)
                     job.draining = job.status.drained = True
+                    job.drain_save_step = 0  # (its ranks pause at the boundary the pause asked)
                     # Undo if its record fails at its commit: the pause in flight stays a pause.
                     self._undo_if_lost(job.status.job_id, lambda e: self._drain_undone(job, before))
                     self._record(
@@ -97,6 +98,7 @@ class OperatorCommands:
             cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=checkpoint))
             job.boundary_failed = job.resume_after_pause = False
             job.draining = job.status.drained = msg.drain  # (drained from now: `up` undoes it if `down` is cut short)
+            job.drain_save_step = 0  # (a boundary not agreed yet)
             job.paused.clear()
             what = "drain (pause, then the stack stops)" if msg.drain else "pause"
             how = "checkpoint their step and pause" if checkpoint else "pause (no checkpoint)"
@@ -112,21 +114,32 @@ class OperatorCommands:
         """Under the lock: a drain of a job PAUSED without a checkpoint of its step (its pause's
         save failed, the store away; or `pause --no-checkpoint`): parking it would lose the steps
         since its newest checkpoint when the stack stops (`surgectl down` refused, again and
-        again). Its ranks resume and pause again at the next agreed boundary, checkpointing it,
-        as a drain. A pause the operator asked stays the operator's (``drained`` False: `up`
+        again). Its paused ranks checkpoint the step they are paused at, in place, and report
+        paused again (a PauseTraining with ``checkpoint`` to a paused loop: boundary.py
+        ``_save_while_paused``; was: they resumed and paused at the next agreed boundary, one
+        step more trained before the save), as a drain. A pause the operator asked stays the operator's (``drained`` False: `up`
         leaves it PAUSED); the pause of a drain whose save failed (``drain_unsaved_step``: an
         earlier `surgectl down`, refused) is that drain, finished now (``drained``: `up` resumes
         it; was: the operator's pause, a fresh operator's trial)."""
         before = Before.of(job)
         job_id, step = job.status.job_id, job.status.step
+        # RUNNING while its ranks save (the paused ranks' reports of the drain's pause are a
+        # running job's, as at any pause's boundary).
         self._transition(
-            job, JobState.RUNNING, ORCH, f"resumed for a drain: its pause at step {step} has no checkpoint"
+            job, JobState.RUNNING, ORCH, f"checkpointing for a drain: its pause at step {step} has no checkpoint"
         )
         cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=True))
+        # Its boundary is known: the step the ranks are paused at (no step is trained, so none
+        # is agreed). Named now, so that a failure of this save is the boundary's
+        # (faults.py ``_save_failed``: not drained, `down` refuses again); was: left unnamed
+        # until the ranks' pause reports, a failed save read as a periodic one and the job
+        # taken as drained, its steps since the newest checkpoint lost (fresh SRE's trial, F1).
+        job.pending_at = step
         job.boundary_failed = job.resume_after_pause = False
         # The drain's own pause (its save failed): drained, `up` resumes it once parked; the
         # operator's pause: parked once paused, PAUSED after `up`.
         job.draining, job.status.drained = True, job.drain_unsaved_step == step
+        job.drain_save_step = step  # (`status`: "RUNNING (draining: saving step N)", not a job that trains)
         whose = "pause (an earlier drain's)" if job.status.drained else "pause"
         job.paused.clear()
         self._record(
@@ -134,13 +147,11 @@ class OperatorCommands:
             ORCH,
             "decision",
             f"drain requested: its {whose} at step {step} has no checkpoint of it (newest: {_newest(job)}): "
-            f"ranks resume, checkpoint their step and pause {_where(job)}",
+            f"the paused ranks checkpoint step {step} and pause again there",
         )
-        # (both behind the decision's record: lost with it, neither goes)
-        self._loop(engine_pb2.ResumeTraining(job_id=job_id))
-        self._loop(cmd)
-        # Undo if its record fails at its commit: PAUSED as it was (its ResumeTraining and
-        # PauseTraining, behind the record, are dropped with it; undos.py).
+        self._loop(cmd)  # (behind the decision's record: lost with it, it does not go)
+        # Undo if its record fails at its commit: PAUSED as it was (its PauseTraining, behind
+        # the record, is dropped with it; undos.py).
         self._undo_if_lost(job_id, lambda e: self._unsaved_drain_undone(job, cmd, before))
         return self._snapshot(job)
 

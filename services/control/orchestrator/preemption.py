@@ -9,7 +9,10 @@ PREEMPTED (STANDBY with ``JobStatus.preempted_by``), to continue from that check
 when capacity returns: at most the steps after the boundary are lost (none, the boundary is
 where it stopped). The head starts once the slots are free: until it starts it claims them,
 first in the queue after drained jobs (teams.py ``_claims``, scheduler/fair_share.py), so a
-victim whose team is below its fair share is not placed straight back on them.
+victim whose team is below its fair share is not placed straight back on them. The claim lasts
+``PREEMPTION_CLAIM_S`` (control's --preemption-claim-seconds) from the decision: a victim that
+never frees its slots, or slots taken meanwhile, no longer hold the head first in line (and
+every job of its kind behind it) and every later preemption back; an event says so.
 
 Within a team (``_preempt_in_team``): a queued job its own team's quota holds back (hard limit,
 borrow limit, nominal used up with nothing to borrow: no slot shortage the allocator would
@@ -48,6 +51,11 @@ from services.control.scheduler.admission import held as held_in
 _log = structlog.get_logger("orchestrator")
 
 PREEMPTION = "preemption"  # the event type of preemption's decisions and warnings
+# How long a queued preemptor claims the slots its victims free (seconds from the preemption's
+# decision; control's --preemption-claim-seconds): ten of the default grace. A victim that never
+# frees them (no checkpoint of its pause and none before it) held the preemptor first in line,
+# and with it every queued job of its kind, and held every later preemption back, forever.
+PREEMPTION_CLAIM_S = 600.0
 
 
 @dataclass
@@ -67,6 +75,74 @@ class Preempting:
             for j in self._jobs.values()
             if j.status.preempted_by and j.status.state == JobState.RUNNING and j.pending == "pause"
         ]
+
+    def _preemption_holding(self) -> bool:
+        """Under the lock: whether a victim still checkpoints for a preemptor whose claim
+        stands (no other preemption is chosen meanwhile: its release starts the preemptor)."""
+        now = time.time()
+        for victim in self._preemption_in_flight():
+            head = self._jobs.get(victim.status.preempted_by)
+            if head is None or not 0 < head.claim_until <= now:
+                return True
+        return False
+
+    def _claim(self, head: _Job) -> None:
+        """Under the lock, as a preemption for the queued ``head`` is decided (before its
+        record, which journals it): its claim on the freed slots lasts ``_preemption_claim_s``
+        (teams.py ``_claims``); then ``_claim_ended``."""
+        head.claim_until = time.time() + self._preemption_claim_s
+        self._arm_claim(head.status.job_id, head.claim_until)
+
+    def _arm_claim(self, head_id: str, until: float) -> None:
+        def over() -> None:
+            with self._lock:
+                self._policy_timers.pop(f"claim:{head_id}", None)
+                self._claim_ended(head_id, until)
+
+        self._arm_policy_timer(f"claim:{head_id}", max(until - time.time(), 0.0), over)
+
+    def _claim_ended(self, head_id: str, until: float) -> None:
+        """Under the lock: the claim of the preemptor ``head_id`` set to end at ``until`` ran
+        out. Where it still waits queued and a victim's slots are still claimed for it, the
+        claim is dropped (an event says so): it waits at its place in the fair order, and
+        other preemptions may be chosen (for it too)."""
+        head = self._jobs.get(head_id)
+        if head is None or head.claim_until != until or head_id not in self._queue:
+            return  # (started, ended, or a later preemption's claim)
+        victims = sorted(
+            v.status.job_id
+            for v in self._jobs.values()
+            if v.status.preempted_by == head_id
+            and (
+                (v.status.state == JobState.RUNNING and v.pending == "pause")
+                or (v.status.job_id in self._queue and v.status.queued_unix >= head.running_since)
+            )
+        )
+        if not victims:
+            return
+        held = [v for v in victims if self._jobs[v].status.state == JobState.RUNNING]
+        why = (
+            f"job{'s' if len(held) > 1 else ''} {', '.join(held)} still hold{'' if len(held) > 1 else 's'} "
+            "the slots (no checkpoint of the preemption's pause)"
+            if held
+            else "it did not fit the freed slots (taken meanwhile)"
+        )
+        self._queue.forget_order()
+        self._record(
+            head,
+            ORCH,
+            PREEMPTION,
+            f"claim dropped: the preemption of {', '.join(victims)} did not start it within "
+            f"{self._preemption_claim_s:g} s: {why}; it waits at its place in the queue (fair order), "
+            f"position {self._queue.position(head_id)} of {len(self._queue)}",
+        )
+        self._start_soon()  # (the queue's order and reasons again; a preemption may be chosen)
+
+    def _rearm_claims(self) -> None:
+        """Under the lock, after a restore: each queued preemptor's claim ends when journaled."""
+        for job in self._jobs.values():
+            if job.claim_until > 0 and job.status.job_id in self._queue:
+                self._arm_claim(job.status.job_id, job.claim_until)
 
     def _preemptable(self, job: _Job) -> bool:
         """Whether ``job`` could be paused for a preemption now: running, nothing else in flight
@@ -89,7 +165,7 @@ class Preempting:
     def _preempt_for(self, head: _Job, reply: control_pb2.ResourcesInsufficient) -> None:
         """Under the lock: the queue's head ``head`` does not fit (``reply``): preempt what the
         plan names, or wait (a retry is armed for when a young candidate's minimum run time ends)."""
-        if self._preemption_in_flight():
+        if self._preemption_holding():
             return  # (its release starts the head; nothing more is chosen meanwhile)
         now = time.time()
         running = [
@@ -119,6 +195,7 @@ class Preempting:
             self._note_starting(head, kind_of(head), None)
             return
         head_id = head.status.job_id
+        self._claim(head)
         self._record(head, ORCH, PREEMPTION, f"job {head_id} (priority {head.status.priority}) {choice.why}")
         for victim_id in choice.victims:
             self._preempt(self._jobs[victim_id], head, reclaimed=victim_id in borrowed)
@@ -133,7 +210,7 @@ class Preempting:
         ``team_jobs``: the jobs of its team holding ranks."""
         team, kind, priority = team_of(head.status), kind_of(head), head.status.priority
         mine = [j for j in team_jobs if j is not head and j.status.priority < priority and self._preemptable(j)]
-        if not mine or self._preemption_in_flight():
+        if not mine or self._preemption_holding():
             return
         usage, slots = self._usage(), self._slots(head)
         deficit = quota_deficit(self._quotas, usage, team, slots, kind)
@@ -181,6 +258,7 @@ class Preempting:
             self._note_starting(head, kind, team)
             return
         head_id = head.status.job_id
+        self._claim(head)
         self._record(head, ORCH, PREEMPTION, f"job {head_id} (priority {priority}) {choice.why}")
         for victim_id in choice.victims:
             victim = self._jobs[victim_id]
@@ -284,6 +362,7 @@ class Preempting:
         """Under the lock, after a restore: a victim journaled mid-checkpoint gets its grace again."""
         for job in self._preemption_in_flight():
             self._arm_preemption_grace(job.status.job_id, job.pending_seq)
+        self._rearm_claims()
 
     def _preemption_overdue(self, job_id: str, seq: int) -> None:
         """Under the lock: the grace period of the preemption's pause #``seq`` ended."""

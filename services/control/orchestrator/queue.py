@@ -138,7 +138,7 @@ class JobQueueing:
                 try:
                     if quota is not None and not quota.ok:  # (before it is queued: the order reads it)
                         self._quota_held[job_id] = (quota.kind, quota.scope)
-                    entry = self._queue.add(job_id, priority)
+                    entry = self._queue.add(job_id, priority, submitted=job.status.created_unix)
                     job.status.queued_unix = time.time()  # (its wait counts from here: teams.py's queue)
                     self._queue.mark_beyond_cluster(job_id, reply is not None and _beyond_cluster(reply))
                     self._enqueue(job, entry, held or _waits_for(job, reply))
@@ -178,7 +178,7 @@ class JobQueueing:
                 f"rendezvous {reply.master_addr}:{reply.master_port}",
             )
             job.status.placed_by_kind.CopyFrom(reply.placed)  # (where an ``any`` job landed: teams.py)
-            job.launched = launched_on(reply)  # (journaled with the transition below)
+            job.launched = launched_on(reply, job)  # (journaled with the transition below)
             lent = f" ({borrowed} on capacity its team borrowed)" if borrowed else ""
             self._transition(job, JobState.WARMING_UP, ORCH, f"{note}ranks launching{lent}")
         except BaseException as e:

@@ -33,6 +33,7 @@ from services.control.orchestrator.job import (
     _Recovered,
     _Reload,
     _Scale,
+    launched_on,
 )
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _shrink_to
 from services.control.orchestrator.texts import _overdue
@@ -52,6 +53,16 @@ def _step_verdict(report: engine_pb2.StepFaultReported, decision: fd.Decision) -
     )
 
 
+def _pausing(job: _Job, msg: control_pb2.FaultReport) -> str:
+    """Whether ``msg``'s step is where the job stops training (``fd.JobView.pausing``): the
+    boundary of its pause or drain in flight, or the step it is paused at."""
+    if job.pending == "pause" and msg.step and msg.step == job.pending_at:
+        return "drain" if job.draining else "pause"
+    if job.status.state == JobState.PAUSED and msg.step and msg.step == job.status.step:
+        return "paused"
+    return ""
+
+
 class Recovery:
     """The recovery sequence (a part of ``Orchestrator``, see core.py)."""
 
@@ -63,7 +74,7 @@ class Recovery:
         ranks go on (apply, skip) is kept in ``job.verdicts``."""
         previous, last = job.incident, job.last_incident
         decision = fd.decide(job.spec.fault_policy, fd.JobView(
-            restarts=job.restarts, ignored=job.ignored, stop_requested=job.pending == "stop",
+            restarts=job.restarts, ignored=job.ignored, stop_requested=job.pending == "stop", pausing=_pausing(job, msg),
             loading_version=previous.version if previous is not None else "",
             no_rebuild=_no_rebuild(job, msg),
             replica_check_every_steps=job.spec.integrity.replica_check_every_steps,
@@ -459,14 +470,16 @@ class Recovery:
             self._record(job, Module.L1_RECOVERY_CONTROLLER, "fault", f"SEVERE {RECOVERY_TIMEOUT}: {report.detail}")
             self._decide(job, report)
 
-    def _retire_series(self, job: _Job, reason: str, *, ended: bool = False) -> None:
-        """Under the lock: the job ended (``ended``) or its ranks were replaced: L5-2 retires
-        the job's series (a rank killed without its loop's end never says so itself; after a
-        relaunch, a rank that records again keeps its own), sent after this decision's
-        journal write. At its end L5-1 retires the job's checkpoint series too (its own
-        state, so its own command); not at a relaunch: the job's checkpoints still matter."""
+    def _retire_series(self, job: _Job, reason: str, *, ended: bool = False, queued: bool = False) -> None:
+        """Under the lock: the job ended (``ended``), left for the queue with its ranks gone
+        (``queued``) or its ranks were replaced: L5-2 retires the job's series (a rank killed
+        without its loop's end never says so itself; after a relaunch, a rank that records
+        again keeps its own), sent after this decision's journal write. At its end L5-1
+        retires the job's checkpoint series too (its own state, so its own command); not at a
+        relaunch nor in the queue: the job's checkpoints still matter."""
         if self._metric_series is not None:
-            self._metric_series(store_pb2.RetireMetricSeries(job_id=job.status.job_id, reason=reason, ended=ended))
+            msg = store_pb2.RetireMetricSeries(job_id=job.status.job_id, reason=reason, ended=ended, queued=queued)
+            self._metric_series(msg)
         if ended and self._checkpoint_series is not None:
             self._checkpoint_series(store_pb2.RetireCheckpointSeries(job_id=job.status.job_id, reason=reason))
 
@@ -482,6 +495,10 @@ class Recovery:
         # they are (teams.py counts its team there; its borrowed slots are derived as the decision ends).
         if reply.HasField("placed"):
             job.status.placed_by_kind.CopyFrom(reply.placed)
+        # Where each rank of the new generation runs, journaled with this record (until every
+        # rank reports ready): a control restarted while they warm up names a lost rank's
+        # worker (was: "the worker it was launched on is not known", blame34's left item).
+        job.launched = launched_on(reply, job)
         workers = ", ".join(reply.worker_ids)
         if reply.in_place:
             launched = ", ".join(str(r) for r in reply.replaced_ranks)

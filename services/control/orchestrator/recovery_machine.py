@@ -263,7 +263,11 @@ def decided(decision: Any, cause: Any, facts: Facts, now: float) -> tuple[Any, l
     if facts.hold:  # inspect before acting (freeze.py): the recovery starts when the hold ends
         return incident, [*effects, Freeze(facts.hold)]
     if not facts.frozen:
-        effects.append(Transition(JobState.FAULT_FROZEN, ORCH, f"recovering from {fault_class} of rank {cause.rank}"))
+        effects.append(
+            Transition(
+                JobState.FAULT_FROZEN, ORCH, f"recovering from {fd.named(fault_class, cause)} of rank {cause.rank}"
+            )
+        )
     return incident, [*effects, Recover()]
 
 
@@ -370,7 +374,7 @@ def recovered(incident: Any, world_size: int, start_step: int, *, seconds: float
     outlives the fault (``incident.paused``): the job stays PAUSED, its ranks waiting for a
     resume; else the group starts and the job runs again."""
     held = bool(incident.paused)
-    what = f"recovered from {incident.fault_class} of rank {incident.cause.rank}: "
+    what = f"recovered from {fd.named(incident.fault_class, incident.cause)} of rank {incident.cause.rank}: "
     what += f"{restored_text(incident, world_size)} at step {start_step}"
     if held:
         said = Transition(JobState.PAUSED, ORCH, f"{what}; paused, as before the fault (resume continues it)")

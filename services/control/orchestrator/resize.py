@@ -12,12 +12,17 @@ from services.control.orchestrator.activity import FOLD, ScaleAsk, begin, end, i
 from services.control.orchestrator.grow_rule import Grower, arbitrate
 from services.control.orchestrator.job import JobState, _Job, _Scale, _where
 from services.control.orchestrator.layout import _layout_of, _set_layout
+from services.control.orchestrator.refusals import InsufficientResources
+from services.control.orchestrator.teams import kind_of, team_of
 from services.control.orchestrator.undos import Before
+from services.control.scheduler import admit
+from services.control.scheduler.fair_share import blocks
 from services.jobspec import (
     JobSpec,
     JobSpecError,
     at_data_parallel_size,
     rebuild_refusal,
+    spec_to_json,
 )
 
 
@@ -30,14 +35,16 @@ class Resizing:
         boundary (no checkpoint), L1-4 has L1-2 release the ranks >= dp or launch the new
         ones, every kept rank rebuilds its group at the new size, the new ranks heal from a
         live peer, and the job goes on at the same global batches (the global batch is kept:
-        :func:`services.jobspec.at_data_parallel_size`). Where the new ranks do not fit, the
-        ranks go on at the old size (the events say so).
+        :func:`services.jobspec.at_data_parallel_size`). Where the new ranks do not fit now
+        (L1-2 asked first, nothing placed), it is refused before any rank pauses; where they
+        no longer fit at the rebuild, the ranks go on at the old size (the events say so).
 
         Raises:
             JobNotFound; IllegalTransition: the job is not RUNNING, or a pause, stop, scale or
             recovery is in flight; JobSpecError (one line naming the field): the plan cannot
             be resized in place (tp or pp > 1, FSDP2) or the global batch does not split into
-            the new layout. Nothing changed.
+            the new layout; InsufficientResources (an IllegalTransition, REFUSED_NO_CAPACITY):
+            its new ranks do not fit the free slots now. Nothing changed.
         """
         with self._lock:
             job = self._get(msg.job_id)
@@ -66,9 +73,61 @@ class Resizing:
             )
             if _layout_of(spec) == _layout_of(job.spec):
                 return self._snapshot(job)  # (already at that layout: nothing to do)
+            if spec.world_size > job.spec.world_size:
+                self._check_growth(job, spec, flags)
             self._start_scale(job, spec, "scale by the operator")
             job.grow_to = ()  # the operator chose the size (after: the scale's undo puts it back)
             return self._snapshot(job)
+
+    def _check_growth(self, job: _Job, spec: JobSpec, flags: str) -> None:
+        """Under the lock, before any rank pauses: whether the new ranks of a scale to ``spec``
+        may take free slots now. Raises InsufficientResources (one line; nothing changed, the
+        job goes on at its size) when:
+
+        - a queued job of the job's priority or higher waits for slots its new ranks would
+          take: the slots are that job's to wait for. The rule is grow_rule.py's (2), the one a
+          job growing back after a shrink follows (a head that needs more slots than are
+          registered, slots of another kind or its team's quota holds back no one); one of a lower
+          priority does not hold it back, as it would not hold back a submit of its priority.
+          Refused, not kept waiting: a scale is the operator's, asked once (a grow-back is
+          tried again at each offer);
+        - its team's quota does not admit that many more slots (the submit's admission);
+        - they cannot be placed now, asked of L1-2 as a probe (nothing placed): the allocator's
+          reason, the one a submit that does not fit gets. (Was: the ranks paused first, then
+          L1-4's rebuild found no slot and they went on.)"""
+        grow = spec.world_size - job.spec.world_size
+        old = job.spec.parallel.dp
+        kept = f"not scaled: the job goes on at dp {old} (no rank paused)"
+        priority, kind = job.status.priority, kind_of(job)
+        for entry in self._queue.ordered():
+            queued = self._jobs.get(entry.job_id)
+            if queued is None or self._queue.beyond_cluster(entry.job_id) or entry.job_id in self._quota_held:
+                continue  # (it waits for workers to join, or for its team's quota: not for free slots)
+            if not blocks(kind_of(queued), kind):
+                continue  # (it waits for slots of another kind)
+            if entry.priority >= priority:
+                raise InsufficientResources(
+                    f"{flags}: job {entry.job_id} (priority {entry.priority}) waits in the queue for slots, at "
+                    f"position {self._queue.position(entry.job_id)}; a running job grows only past queued jobs "
+                    f"of a lower priority than its own ({priority}); {kept}"
+                )
+        quota = admit(self._quotas, self._usage(), team_of(job.status), grow, kind)
+        if not quota.ok:
+            raise InsufficientResources(f"{flags}: {grow} more slot{'' if grow == 1 else 's'}: {quota.reason}; {kept}")
+        ask = control_pb2.AllocateResources(
+            job_id=job.status.job_id,
+            world_size=grow,
+            backend=spec.parallel.backend,
+            init=engine_pb2.InitJob(job_id=job.status.job_id, spec_json=spec_to_json(spec)),
+            probe=True,
+        )
+        probe = self._allocator(ask).message
+        assert isinstance(probe, control_pb2.ResourcesInsufficient), probe
+        if probe.rank_memory_bytes or probe.available_ranks < grow:
+            raise InsufficientResources(
+                f"{flags}: needs {grow} more rank{'' if grow == 1 else 's'} (dp {old} -> {spec.parallel.dp}); "
+                f"{probe.reason}; {kept}"
+            )
 
     def _start_scale(self, job: _Job, spec: JobSpec, why: str) -> None:
         """Under the lock: pause every rank after a common boundary (no checkpoint: nothing

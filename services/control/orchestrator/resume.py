@@ -20,12 +20,11 @@ from services.control.orchestrator.job import (
     JobState,
     _Incident,
     _Job,
-    _load_runtime,
     _Recovered,
     _Resume,
-    _runtime,
     launched_on,
 )
+from services.control.orchestrator.job_journal import _load_runtime, _runtime
 from services.control.orchestrator.layout import _layout_asked, _layout_change, _layout_flags, _new_layout, _set_layout
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
 from services.control.orchestrator.texts import (
@@ -209,7 +208,10 @@ class OperatorResume:
         was = JobState.Name(job.status.state) + (
             f" ({JobOutcome.Name(job.status.outcome)})" if job.status.outcome else ""
         )
-        entry = self._queue.add(job_id, job.status.priority, first=job.status.drained)
+        # (preempted, drained, moved: its place is its submission's; an ended job resumed by
+        # the operator is new work, queued as submitted now)
+        submitted = time.time() if job.status.state == JobState.TERMINATED else job.status.created_unix
+        entry = self._queue.add(job_id, job.status.priority, first=job.status.drained, submitted=submitted)
         self._queue.mark_beyond_cluster(job_id, beyond)
         # It entered the queue again: this wait counts from now, and it holds no slot, borrowed
         # or not, until placed. Its earlier waits (``waited_seconds``) still count towards the
@@ -369,7 +371,7 @@ class OperatorResume:
             # old ranks finished: the clean exit of one reported after this is no fault
             # (each entry goes when the rank's new process reports ready).
             job.started, job.paused, job.exited, job.placement = set(), set(), set(), {}
-            job.launched = launched_on(reply)  # (journaled with the decision below)
+            job.launched = launched_on(reply, job)  # (journaled with the decision below)
             job.pending, job.pending_at = "", 0
             end(job, _Incident)  # (this resume's own activity ends when its answer is given)
             end(job, _Recovered)
@@ -463,6 +465,10 @@ class OperatorResume:
         self._record(
             job, ORCH, "state", f"{JobState.Name(old)} -> {JobState.Name(new)}: {message}", status_message=message
         )
+        if new == JobState.STANDBY and old == JobState.PAUSED:
+            # Its ranks are released (preempted, moved, a resume that waits): its training
+            # series would say it trains while it waits (an ended job's went at its end).
+            self._retire_series(job, "queued", queued=True)
 
     def _restore_parked(self, job: _Job) -> bool:
         """After a control restart: a PAUSED job whose ranks were stopped with the stack

@@ -31,7 +31,8 @@ class RollingBack:
 
     def _rollback_in_place(self, job: _Job, msg: control_pb2.ResumeJobRequest) -> control_pb2.JobStatus:
         """Under the lock, the operator's rollback of ``job`` to ``msg.from_version`` ("":
-        its newest committed version not known bad). Asked again while in flight: its status.
+        its newest committed version not known bad). Asked again while in flight (that version,
+        or none named): its status, with ``rollback_in_flight`` and ``rollback_asked_unix`` set.
 
         Raises:
             UnknownVersion (one line): the job never had the version named.
@@ -42,7 +43,11 @@ class RollingBack:
         job_id = job.status.job_id
         ask = ReloadAsk(msg.from_version)
         if admit(job_id, job.activity, ask).verdict == FOLD:
-            return self._snapshot(job)
+            # Typed for `surgectl rollback`: "already rolling back to V (asked at ...)", not the
+            # line of a new rollback (the reply was the same status either way).
+            folded = self._snapshot(job)
+            folded.rollback_in_flight, folded.rollback_asked_unix = job.reload.version, job.reload.asked_unix
+            return folded
         self._require(job, JobState.RUNNING)
         self._require_idle(job, ask)
         if job.spec.precision.dtype == "fp16":
@@ -61,7 +66,7 @@ class RollingBack:
             raise (IllegalTransition if version in steps else UnknownVersion)(
                 f"--version {version}: not a usable committed checkpoint of job {job_id} (usable: {known or 'none'})"
             )
-        reload = _Reload(version, steps[version], since=time.monotonic())
+        reload = _Reload(version, steps[version], since=time.monotonic(), asked_unix=time.time())
         before = Before.of(job)
         begin(job, reload)
         pause = self._in_flight(job, "reload", engine_pb2.PauseTraining(checkpoint=False))

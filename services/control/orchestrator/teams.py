@@ -276,7 +276,7 @@ class Teams:
     def _waiting_of(self, e: QueueEntry, claims: Collection[str] = ()) -> Waiting:
         job = self._jobs.get(e.job_id)
         if job is None:
-            return Waiting(e.job_id, "default", 1, e.priority, e.seq, e.first)
+            return Waiting(e.job_id, "default", 1, e.priority, e.seq, e.first, submitted=e.submitted)
         since = job.status.queued_unix or job.status.created_unix  # (journaled: its age survives a restart)
         if since:  # (its earlier waits, before it was preempted or requeued, count towards the bound)
             since -= job.status.waited_seconds
@@ -290,6 +290,7 @@ class Teams:
             kind_of(job),
             since or None,
             claims=e.job_id in claims,
+            submitted=e.submitted,
         )
 
     def _claims(self) -> set[str]:
@@ -298,12 +299,16 @@ class Teams:
         victim checkpoints to release its slots, or waits queued having released them since the
         preemptor last ran (once it has run, the claim is spent: a victim still queued then
         does not put it first again). A preemptor itself preempted meanwhile claims nothing
-        (its own preemptor's claim comes first). Derived from journaled fields: a restarted
-        control keeps the claims."""
+        (its own preemptor's claim comes first), nor one whose claim's time ran out
+        (``claim_until``: preemption.py ``_claim_ended``). Derived from journaled fields: a
+        restarted control keeps the claims."""
         claims: set[str] = set()
+        now = time.time()
         for v in self._jobs.values():
             by = v.status.preempted_by
             if not by or (head := self._jobs.get(by)) is None or by not in self._queue or head.status.preempted_by:
+                continue
+            if 0 < head.claim_until <= now:
                 continue
             checkpointing = v.status.state == JobState.RUNNING and v.pending == "pause"
             if checkpointing or (v.status.job_id in self._queue and v.status.queued_unix >= head.running_since):
@@ -318,7 +323,9 @@ class Teams:
             return False
         team, kind = team_of(job.status), kind_of(job)
         within_nominal: Admission | None = None  # (asked once, at the first cohort hold of another team)
-        new = Waiting(job.status.job_id, team, job.spec.world_size, priority, 1 << 62, kind=kind)
+        new = Waiting(
+            job.status.job_id, team, job.spec.world_size, priority, 1 << 62, kind=kind, submitted=float("inf")
+        )
         claims = self._claims()
         queued = [self._waiting_of(e, claims) for e in sorted(self._queue.ordered(), key=QueueEntry.key)]
         for w in fair_order([*queued, new], self._usage(), self._quotas, self._capacity, time.time()):

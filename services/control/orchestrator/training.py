@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from services.common import save_failing
 from services.contract import Module, control_pb2, engine_pb2, store_pb2
 from services.control import fault_decision as fd
 from services.control.orchestrator.activity import RECOVERED, RELOADED, SCALED, end, ready_for
@@ -82,6 +83,8 @@ class RankEvents:
             )
             if len(job.started) < job.status.world_size or job.pending == "stop":
                 return
+            if msg.start_step != job.status.step:  # (restored at another step: its loss is not this step's)
+                job.status.train_loss = 0.0
             job.status.step = msg.start_step
             # Every rank is ready: the event of the activity's machine (activity.ready_for).
             if ready == SCALED:
@@ -113,7 +116,7 @@ class RankEvents:
         job's journal lock (``_write_later``), as one write with the applying event's cursor,
         and not waited for: the journal's writer commits them with every other job's (a
         group commit), then emits their JobEvents, and the event's ack goes down once it is
-        durable (services/control/session_hub.py)."""
+        durable (services/control/exactly_once.py)."""
         if msg.rank != 0:
             if self._reattaching.waits_for(msg.job_id):  # (else nothing to decide: no lock)
                 with self._lock:
@@ -155,10 +158,10 @@ class RankEvents:
             rate = (msg.unix_time - last_unix) / (msg.step - last_step)
             job.step_seconds = rate if not job.step_seconds else 0.8 * job.step_seconds + 0.2 * rate
         job.last_step_unix = (msg.step, msg.unix_time)
-        s.step, s.tokens_per_second = msg.step, self._throughput(job, msg)
+        s.step, (s.tokens_per_second, s.mfu) = msg.step, self._throughput(job, msg)
         self._agreed(job, msg)
         if not msg.skipped:
-            s.train_loss, s.mfu = msg.loss, msg.mfu
+            s.train_loss = msg.loss
         s.tokens_seen += msg.tokens
         if msg.skipped:
             reason = getattr(msg, "skip_reason", "") or "overflow"  # (field 22: "overflow" | "non_finite_loss")
@@ -175,6 +178,12 @@ class RankEvents:
             end(job, job.activity)
             seconds = time.monotonic() - incident.decided
             self._metrics.recovered(incident.fault_class, seconds)
+            # The status says what is true now (the recovery's own words, its restore's
+            # details, stayed for as long as the job ran on: fresh36 F7); the events keep them.
+            s.message = (
+                f"{_training_text(s.world_size)} since step {msg.step}, after the recovery from "
+                f"{incident.fault_class} of rank {incident.cause.rank}"
+            )
             self._record(
                 job,
                 ORCH,
@@ -197,17 +206,26 @@ class RankEvents:
         return self._write_later(job)
 
     @staticmethod
-    def _throughput(job: _Job, msg: engine_pb2.StepCompleted) -> float:
-        """The job's tokens/s after ``msg``: tokens over step seconds of its steps but the
-        first this control saw (``_Job.throughput``); that step's own rate until there is
-        another (or when the steps carry no step time). Under the lock."""
+    def _throughput(job: _Job, msg: engine_pb2.StepCompleted) -> tuple[float, float]:
+        """The job's (tokens/s, MFU) after ``msg``, over the same steps: those but the first
+        this control saw (``_Job.throughput``); that step's own figures until there is another
+        (or when the steps carry no step time). The MFU is each step's weighted by its seconds,
+        i.e. the window's model FLOPs over its seconds x peak x world: the figure beside the
+        window's tokens/s, not the last step's (fresh37 #4: 27.9 % shown, 11.4 % for the run).
+        Under the lock."""
         if msg.step_seconds > 0:
             if job.throughput_warm:
-                tokens, seconds = job.throughput
-                job.throughput = (tokens + msg.tokens, seconds + msg.step_seconds)
+                tokens, seconds, mfu_seconds = job.throughput
+                job.throughput = (
+                    tokens + msg.tokens,
+                    seconds + msg.step_seconds,
+                    mfu_seconds + msg.mfu * msg.step_seconds,
+                )
             job.throughput_warm = True
-        tokens, seconds = job.throughput
-        return tokens / seconds if seconds > 0 else msg.tokens_per_second
+        tokens, seconds, mfu_seconds = job.throughput
+        if seconds > 0:
+            return tokens / seconds, mfu_seconds / seconds
+        return msg.tokens_per_second, msg.mfu
 
     def on_eval_completed(self, msg: engine_pb2.EvalCompleted, payload: Any = None) -> None:
         if msg.rank != 0:
@@ -230,6 +248,8 @@ class RankEvents:
                 return  # every rank relays the same commit; record it once
             job.status.checkpoint_version = msg.version
             job.versions.append((msg.step, msg.version))
+            if msg.step >= job.status.save_failing.step:  # (not an older save's late commit)
+                job.status.ClearField("save_failing")
             if msg.removed_versions:  # (its retention deleted them: no rollback or resume offers them)
                 gone = set(msg.removed_versions)
                 job.versions = [(s, v) for s, v in job.versions if v not in gone]
@@ -288,9 +308,11 @@ class RankEvents:
                     # (the drain's own pause, not the operator's: the next drain finishes it)
                     job.drain_unsaved_step = msg.step if job.status.drained else 0
                     job.draining = job.status.drained = False
+                    sf = job.status.save_failing  # (why, typed: a store away, or one refusing the write)
                     text += (
-                        f"; not drained: its checkpoint of step {msg.step} could not be saved, the ranks stay "
-                        f"paused (resume, or `surgectl down` again once the store answers)"
+                        f"; not drained: its checkpoint of step {msg.step} could not be saved "
+                        f"({save_failing.why(sf)}), the ranks stay paused (resume, or `surgectl down` again "
+                        f"{save_failing.until(sf)})"
                     )
                 if job.draining and job.status.drained:  # its ranks go away with the stack: the next `up` resumes it
                     job.draining, job.parked, job.parked_live = False, True, True
@@ -348,7 +370,7 @@ class RankEvents:
         with self._lock:
             self._commit_later(msg)
             job = self._live(msg.job_id, (JobState.WARMING_UP, JobState.RUNNING, JobState.PAUSED), msg)
-            if job is not None:
+            if job is not None and not msg.failure.replaced:  # (a replaced incarnation's: recorded stale, faults.py)
                 self._record(
                     job,
                     Module.L2_TRAINING_LOOP,
@@ -421,6 +443,10 @@ class RankEvents:
                 self._keep(job)
                 return
             self._loop(verdict)
+
+
+def _training_text(world_size: int) -> str:
+    return "the rank is training" if world_size == 1 else f"all {world_size} ranks training"
 
 
 def _ready_text(world_size: int) -> str:

@@ -10,6 +10,11 @@ the job's record (no I/O, no clock, no lock, nothing written), table-tested with
   the recovery kills, a rebuild's survivor whose collective broke under it): recorded only;
 - ``LATE``: a failed collective the last incident caused, reported after it recovered: recorded;
 - ``RELEASED``: an exit control asked for (``rank_released``): recorded, nothing to decide;
+- ``STALE``: the end of an incarnation the job already replaced (``FaultReport.replaced``: its
+  generation older than the newest launched of its rank), come up late (through an agent that
+  was frozen, a reconnecting agent, a control restart) and expected by no incident: recorded
+  as that incarnation's end, nothing to decide, no fault counted (its loss was decided when
+  it was replaced);
 - ``NORMAL_END``: the clean exit of a rank whose loop reported finished: no fault;
 - ``RESUMED``: a report during a recovery restored from the journal, which says its relaunch
   is not all there (``Orchestrator._on_resumed_fault``: relaunched again, no restart spent);
@@ -31,7 +36,16 @@ from services.jobspec import (
 
 # Fault classes that state a rank process ended (FaultReport.fault_class, see the detector).
 _EXITS = frozenset(
-    {"rank_exit", "rank_exit_clean", "rank_oom", "rank_memory_error", "rank_released", "worker_lost", "worker_departed"}
+    {
+        "rank_exit",
+        "rank_exit_clean",
+        "rank_oom",
+        "rank_memory_error",
+        "rank_not_started",
+        "rank_released",
+        "worker_lost",
+        "worker_departed",
+    }
 )
 
 
@@ -116,6 +130,24 @@ def _consequence(report: control_pb2.FaultReport, of: str) -> str:
     return f"{report.fault_class}, expected: {_clipped(report.detail)} (consequence of {of})"
 
 
+def consequence_event(report: control_pb2.FaultReport, of: str) -> tuple[str, str]:
+    """(event type, line) of a consequence recorded, not decided on. A rank the recovery
+    killed (``rank_released``: the exit control asked for) is the rank's end, type ``rank``
+    as every released rank's ("rank N ended after its release: ..."), never a ``fault``:
+    `surgectl events --type fault` lists real faults only (fresh36 F8)."""
+    if report.fault_class == "rank_released":
+        return "rank", f"rank {report.rank} ended after its release: {_clipped(report.detail)} (consequence of {of})"
+    return "fault", _consequence(report, of)
+
+
+def _stale_text(report: control_pb2.FaultReport) -> str:
+    """The record of a replaced incarnation's end, or of a failure it reported (``STALE``):
+    without L1-3's grade (no fault)."""
+    if report.fault_class not in _EXITS:
+        return f"rank {report.rank} ({report.fault_class}) of a replaced generation failed: {report.detail}"
+    return f"rank {report.rank} ({report.fault_class}) ended after its generation was replaced: {report.detail}"
+
+
 def _clipped(detail: str) -> str:
     """``detail`` on one line, its first ``CONSEQUENCE_DETAIL_CHARS``."""
     detail = " ".join(detail.split())
@@ -142,14 +174,24 @@ def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
     return incident.action not in IN_PLACE_ACTIONS or report.rank not in incident.lost
 
 
-Triage = Literal["new_incident", "consequence", "late", "released", "normal_end", "resumed", "job_ended"]
+Triage = Literal["new_incident", "consequence", "late", "released", "stale", "normal_end", "resumed", "job_ended"]
 NEW_INCIDENT: Triage = "new_incident"
 CONSEQUENCE: Triage = "consequence"
 LATE: Triage = "late"
 RELEASED: Triage = "released"
+STALE: Triage = "stale"
 NORMAL_END: Triage = "normal_end"
 RESUMED: Triage = "resumed"
 JOB_ENDED: Triage = "job_ended"
+
+
+def _replaced(report: control_pb2.FaultReport, job: _Job) -> bool:
+    """The report's incarnation was replaced: the relay says so (its fence saw the newer
+    launch), or its generation is older than the newest this job launched of the rank
+    (journaled: after a control restart the fence knows only what it saw since, so an old
+    agent's exit that comes up before the newer incarnation's agent re-registers is not
+    stated replaced)."""
+    return report.replaced or 0 < report.generation < job.generations.get(report.rank, 0)
 
 
 def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
@@ -169,18 +211,25 @@ def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
         # it replaced), is a consequence; anything else says the relaunch is not all there.
         if incident.repeated_unix or (ended and incident.dying[report.rank] > 0):
             return CONSEQUENCE
-        return RESUMED
+        return STALE if _replaced(report, job) else RESUMED  # (a replaced incarnation says nothing of the relaunch)
     late = job.last_incident if incident is None else None  # (a symptom from before it recovered)
     if late is not None and _late_symptom(late, report):
         return LATE
-    if incident is not None and report.fault_class in _NODE_GONE and waiting_on(job, report.worker_id):
+    if (
+        incident is not None
+        and report.fault_class in _NODE_GONE
+        and not _replaced(report, job)
+        and waiting_on(job, report.worker_id)
+    ):
         # A replacement the rebuild waits for went with its node (its old rank's exit may be
         # due too): the recovery's own fault, decided anew (placed elsewhere), never waited out.
         return NEW_INCIDENT
     if incident is not None and (incident.dying[report.rank] > 0 or _survivor_symptom(incident, report)):
         return CONSEQUENCE
-    if report.fault_class == "rank_exit_clean" and report.rank in job.finished:
-        return NORMAL_END  # its loop reported finished first: the normal end of that rank
     if report.fault_class == "rank_released":
         return RELEASED
+    if _replaced(report, job):
+        return STALE  # (its generation was replaced: nothing of it is the job's now)
+    if report.fault_class == "rank_exit_clean" and report.rank in job.finished:
+        return NORMAL_END  # its loop reported finished first: the normal end of that rank
     return NEW_INCIDENT

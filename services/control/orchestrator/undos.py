@@ -110,8 +110,8 @@ class Undos:
 
     def _unsaved_drain_undone(self, job: _Job, cmd: Any, before: Before) -> None:
         """Under the lock: the drain of a PAUSED job with no checkpoint of its step whose record
-        was lost: PAUSED as the journal has it (its ResumeTraining and PauseTraining, behind the
-        record, were dropped with it)."""
+        was lost: PAUSED as the journal has it (its PauseTraining, behind the record, was
+        dropped with it)."""
         self._boundary_undone(job, cmd, before)
         job.status.state, job.status.message = before.state, before.message
         self._keep(job)

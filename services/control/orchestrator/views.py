@@ -20,7 +20,7 @@ import time
 from collections.abc import Callable
 
 from services.contract import control_pb2
-from services.control.cluster_metrics import JobCensus
+from services.control.cluster_metrics import ActiveJob, JobCensus
 from services.control.job_queue import JobQueue
 
 JobState = control_pb2.JobState
@@ -73,6 +73,7 @@ class JobViews:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # leaf: the three fields below are replaced under it
         self._jobs: dict[str, tuple[control_pb2.JobStatus, float]] = {}  # id -> (status, running since)
+        self._every: dict[str, int] = {}  # id -> its spec's checkpoint.every_steps (0: at the end only)
         self._positions: dict[str, int] = {}  # queued job id -> its place (1: the head)
         self._cordons: tuple[control_pb2.WorkerCordoned, ...] = ()
         # queued job id -> when it entered the queue (unix seconds): for the queue-wait gauge.
@@ -80,11 +81,13 @@ class JobViews:
         self._queued_since: dict[str, float] = {}
         self._restoring = True  # the first places published are the restored queue's
 
-    def publish(self, status: control_pb2.JobStatus, running_since: float) -> None:
-        """``status`` (a copy nobody changes any more) is the job's view. Under the decision
+    def publish(self, status: control_pb2.JobStatus, running_since: float, checkpoint_every: int = 0) -> None:
+        """``status`` (a copy nobody changes any more) is the job's view; ``checkpoint_every``
+        its spec's checkpoint interval in steps (for the per-job gauges). Under the decision
         lock."""
         with self._lock:
             self._jobs[status.job_id] = (status, running_since)
+            self._every[status.job_id] = checkpoint_every
 
     def publish_places(self, queue: JobQueue) -> None:
         """The queue's order changed: every queued job's place. Under the decision lock."""
@@ -102,23 +105,34 @@ class JobViews:
         """The job is deleted (or its submit undone)."""
         with self._lock:
             self._jobs.pop(job_id, None)
+            self._every.pop(job_id, None)
 
     def census(self) -> JobCensus:
-        """Jobs by state, the queue's length, its oldest entry's queue time (unix seconds; 0:
-        empty) and its jobs that can never run as things stand by cause, as published: what control's cluster gauges read when scraped
-        (services/control/cluster_metrics.py)."""
+        """Jobs by state, the queue's length, the queue time (unix seconds; 0: none) of its
+        oldest entry among those that can run (JobStatus.cannot_run empty) and its jobs that
+        can never run as things stand by cause, as published: what control's cluster gauges
+        read when scraped (services/control/cluster_metrics.py)."""
         with self._lock:
             states = [status.state for status, _ in self._jobs.values()]
-            queued, oldest = len(self._positions), min(self._queued_since.values(), default=0.0)
-            never = [v[0].cannot_run for j in self._positions if (v := self._jobs.get(j)) is not None]
+            # (every job not ended: its state and checkpoint interval, one series each)
+            active = tuple(
+                ActiveJob(job_id, status.state, status.step, status.checkpoint_step, self._every.get(job_id, 0))
+                for job_id, (status, _) in self._jobs.items()
+                if status.state != JobState.TERMINATED
+            )
+            never = {j: v[0].cannot_run for j in self._positions if (v := self._jobs.get(j)) is not None}
+            queued = len(self._positions)
+            # A job that can never run as things stand waits for no turn: it is counted by cause
+            # (surge_queue_cannot_run), not in the oldest wait a queue-wait alert reads.
+            oldest = min((t for j, t in self._queued_since.items() if not never.get(j)), default=0.0)
         by_state: dict[int, int] = {}
         for state in states:
             by_state[state] = by_state.get(state, 0) + 1
         cannot_run: dict[str, int] = {}
-        for cause in never:
+        for cause in never.values():
             if cause:
                 cannot_run[cause] = cannot_run.get(cause, 0) + 1
-        return JobCensus(by_state, queued, oldest, cannot_run)
+        return JobCensus(by_state, queued, oldest, cannot_run, active)
 
     def publish_cordons(self, cordons: list[control_pb2.WorkerCordoned]) -> None:
         with self._lock:

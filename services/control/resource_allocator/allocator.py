@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Any
 
-from services.common.rank_nodes import node_runs
 from services.contract import control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter
 from services.control.cluster_metrics import SlotCensus, watch_slots
@@ -113,7 +112,9 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
 
         ``probe``: nothing is placed; ResourcesInsufficient says the free slots of the job's
         kind that hold its memory per rank, whether or not they are enough (a preemption's
-        plan in L1-1 reads it).
+        plan in L1-1 reads it), and, when they are not, the reason a placement would give. A
+        probe of a job that holds ranks here asks for ``world_size`` more of them (a `surgectl
+        scale`'s growth, ``init`` at the new layout): its allocation's excluded workers count.
 
         ``adopt`` (a control restart): only record the allocation, launch nothing; the
         workers it excludes (earlier exclude_node decisions, journaled by L1-1) stay excluded.
@@ -129,15 +130,17 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                     known.exclude_worker_ids[:] = excluded
             return control_pb2.ResourcesReady(job_id=msg.job_id, world_size=msg.world_size)
         spec = spec_from_json(msg.init.spec_json)
+        need = _rank_memory(spec)  # (the spec's arithmetic: before the lock every placement takes)
         excluded = set(msg.exclude_worker_ids)
         with self._lock:
-            if msg.job_id in {j for w in self._workers.values() for j in w.busy}:
+            if msg.probe and msg.job_id in self._allocations:  # (a running job's growth: where it may not go)
+                excluded |= set(self._allocations[msg.job_id].exclude_worker_ids)
+            elif msg.job_id in {j for w in self._workers.values() for j in w.busy}:
                 return self._insufficient(msg, 0, f"job {msg.job_id} already holds resources")
             departing = sorted(w.reg.worker_id for w in self._workers.values() if w.departing)
             held = sorted(w for w in self._holds if w in self._workers and w not in excluded)
             cordoned = sorted(w for w in self._cordons if w in self._workers and w not in excluded)
             usable = [w for w in self._workers.values() if w.reg.worker_id not in excluded and self._placeable(w)]
-            need = _rank_memory(spec)
             kind = spec.parallel.device_kind  # (issue 30: a job's ranks go to slots of its kind only)
             slots = [(w, s) for w in usable for s in range(w.reg.slots) if _of_kind(w, s, kind)]
             fit = sum(_memory_quota(w, s) >= need for w, s in slots)
@@ -146,9 +149,9 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             free = sum(
                 1 for w in usable for s in w.free_slots() if _of_kind(w, s, kind) and _memory_quota(w, s) >= need
             )
-            if msg.probe:  # (nothing placed: L1-1 asks whether the job would fit once victims go)
+            if msg.probe and free >= msg.world_size:  # (nothing placed: L1-1 asks whether the ranks would fit)
                 return self._insufficient(msg, free, f"{free} {kind} slots free (a probe: nothing placed)", kind)
-            if free < msg.world_size:
+            if free < msg.world_size:  # (a probe's refusal too: the line a placement would say)
                 # The placeable workers, and how many are registered when some are not (a
                 # draining or cordoned one counts as registered, not as placeable).
                 registered = len([w for w in self._workers if w not in excluded])
@@ -182,17 +185,15 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             self._placed[msg.job_id] = _Placement([(w.reg.worker_id, slot) for w, slot in picks], backend)
             launches: dict[str, control_pb2.LaunchRanks] = {}
             # Once, not per rank (a list of the world per rank was 8,192^2 Python steps at
-            # 1,024 x 8, most of the submit's 2 minutes), and sent once per launch as runs, not
-            # in each assignment (741 MB of launches at 8,192 ranks): services/common/rank_nodes.py.
+            # 1,024 x 8, most of the submit's 2 minutes). Not sent: a launch names its node's
+            # ranks only and each rank learns the world's nodes at its rendezvous (even as runs
+            # the list made a job's launches O(nodes²): services/engine/node_map.py).
             rank_nodes = [w.reg.worker_id for w, _ in picks]
-            runs = node_runs(rank_nodes)  # topology for L2-2's TP placement
             for rank, (w, slot) in enumerate(picks):
                 w.busy.setdefault(msg.job_id, []).append(slot)
                 launch = launches.get(w.reg.worker_id)
                 if launch is None:
-                    launch = launches[w.reg.worker_id] = control_pb2.LaunchRanks(
-                        job_id=msg.job_id, init=msg.init, node_runs=runs
-                    )
+                    launch = launches[w.reg.worker_id] = control_pb2.LaunchRanks(job_id=msg.job_id, init=msg.init)
                 launch.ranks.append(
                     engine_pb2.RankAssignment(
                         rank=rank,
@@ -210,6 +211,8 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 )
             memory_ring, probe_ring = _Ring(w.reg.worker_id for w in usable), _Ring(rank_nodes)
             for worker_id, launch in launches.items():
+                for assignment in launch.ranks:  # (LOCAL_WORLD_SIZE: the node agent's binding)
+                    assignment.local_world_size = len(launch.ranks)
                 peer = _memory_peer(usable, worker_id, memory_ring)
                 if peer is not None:
                     launch.memory_peer.CopyFrom(peer)
@@ -231,6 +234,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
             worker_ids=list(launches),
             placed=placed,
             rank_worker_ids=rank_nodes,  # (L1-1 journals where each rank went: a restart in WARMING_UP)
+            rank_generation=generation,  # (and their generation: an older one's late end is stale)
         )
 
     def release_resources(

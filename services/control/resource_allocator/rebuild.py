@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.rank_nodes import node_runs
 from services.contract import control_pb2, engine_pb2
 from services.control.resource_allocator.slots import (
     _device_name,
@@ -169,14 +168,18 @@ class Rebuild:
                 init.CopyFrom(allocated.init)
                 init.resume_version, init.heal_from_peer = "", True
                 threads = spec_from_json(init.spec_json).parallel.threads_per_rank
-                runs = node_runs(rank_nodes)  # (once per launch, not per rank: services/common/rank_nodes.py)
+                # Each node's ranks in rank order (LOCAL_RANK, LOCAL_WORLD_SIZE), once; the world's
+                # nodes are not sent: the ranks learn them at the rendezvous (node_map.py).
+                on_node: dict[str, list[int]] = {}
+                for r, worker_id in enumerate(rank_nodes):
+                    on_node.setdefault(worker_id, []).append(r)
                 for r, (w, slot) in zip(launched, picks, strict=True):
-                    launch = launches.setdefault(
-                        w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=init, node_runs=runs)
-                    )
+                    launch = launches.setdefault(w.reg.worker_id, control_pb2.LaunchRanks(job_id=msg.job_id, init=init))
+                    local = on_node[w.reg.worker_id]
                     launch.ranks.append(engine_pb2.RankAssignment(
-                        rank=r, world_size=len(placed.ranks), local_rank=slot, master_addr=master_addr,
-                        master_port=master_port, backend=placed.backend, device=_device_name(w, slot),
+                        rank=r, world_size=len(placed.ranks), local_rank=local.index(r), local_world_size=len(local),
+                        master_addr=master_addr, master_port=master_port, backend=placed.backend,
+                        device=_device_name(w, slot),
                         memory_quota_bytes=_memory_quota(w, slot), num_threads=threads, worker_id=w.reg.worker_id,
                         generation=generation,
                     ))  # fmt: skip
@@ -193,8 +196,7 @@ class Rebuild:
                 peers = _new_probe_peers(links, old_nodes, rank_nodes, self._workers, msg.job_id, placed.probes)
                 rebuild = engine_pb2.RebuildParallelGroup(
                     job_id=msg.job_id, master_addr=master_addr, master_port=master_port, reason=msg.reason,
-                    world_size=len(placed.ranks), generation=placed.generation,
-                    node_runs=runs,  # (the world's node list as runs, once per agent: rank_nodes.py)
+                    world_size=len(placed.ranks), generation=placed.generation,  # (no nodes: node_map.py)
                     layout=msg.layout if msg.HasField("layout") else None,
                     lost_ranks=lost,  # the survivors abort their broken communicator at once
                 )  # fmt: skip
@@ -227,6 +229,8 @@ class Rebuild:
             generation=rebuild.generation,
             replaced_ranks=launched,
             placed=kinds,
+            rank_worker_ids=rank_nodes,  # (the whole group's, survivors too: L1-1 journals it)
+            rank_generation=generation,  # (the replacements')
         )
 
 

@@ -95,9 +95,10 @@ class Waiting:
     kind: str = "any"
     queued: float | None = None
     claims: bool = False  # a preemptor not started yet: its victims' slots are its own (module docstring)
+    submitted: float = 0.0  # its submission's unix time (job_queue.QueueEntry: a preempted job keeps it)
 
-    def key(self) -> tuple[bool, int, int]:
-        return (not self.first, -self.priority, self.seq)
+    def key(self) -> tuple[bool, int, float, int]:
+        return (not self.first, -self.priority, self.submitted, self.seq)
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,8 @@ def prepare_dataset(
             skipped["empty_documents"] = empty
         no_val = splits["val"]["documents"] == 0
         warnings = [no_held_out_warning(f"{name}@{version}", val_fraction, documents)] if no_val else []
+        lopsided = lopsided_split_warning(f"{name}@{version}", val_fraction, splits)
+        warnings += [lopsided] if lopsided else []
         manifest = mf.seal(
             {
                 "format": mf.FORMAT,
@@ -272,6 +274,27 @@ def no_held_out_warning(label: str, val_fraction: float, documents: int) -> str:
         f"{label}: no held-out split ({why}); a job evaluating on it is refused at submit: turn "
         "eval off (eval: {every_steps: 0, at_end: false}) or prepare a version with --val-fraction > 0 "
         "from at least two files"
+    )
+
+
+# The held-out split is drawn per document, so a corpus of a few documents of uneven sizes can
+# hold out far more than ``val_fraction`` of its tokens (one large file of 16: 79 %). Said when
+# it holds out more than this many times its share, and at least a quarter of the tokens.
+LOPSIDED_TIMES, LOPSIDED_SHARE = 5.0, 0.25
+
+
+def lopsided_split_warning(label: str, val_fraction: float, splits: dict) -> str | None:
+    """The line ``prepare`` warns with when the held-out split took far more tokens than
+    ``val_fraction`` asked (None when it did not)."""
+    val, train = splits["val"]["tokens"], splits["train"]["tokens"]
+    share = val / max(1, val + train)
+    if val_fraction <= 0 or share <= max(LOPSIDED_SHARE, LOPSIDED_TIMES * val_fraction):
+        return None
+    return (
+        f"{label}: the held-out split has {share:.0%} of the tokens ({val:,} of {val + train:,}, "
+        f"{splits['val']['documents']} of {splits['val']['documents'] + splits['train']['documents']} documents; "
+        f"--val-fraction {val_fraction:g} asked): documents are held out whole; split large files or add "
+        "documents to train on more of it"
     )
 
 

@@ -99,6 +99,8 @@ class Boundary:
         self._phase = "paused"
         self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
         while (stop := self._commands.take(engine_pb2.StopTraining, step)) is None:
+            if self._save_while_paused(step):
+                continue
             msg = self._control.get()
             if isinstance(msg, engine_pb2.ResumeTraining) and not msg.go_on_at_step:  # (a fault wait's, late)
                 self._phase = "stepping"
@@ -109,6 +111,28 @@ class Boundary:
         if stop.checkpoint:
             self._checkpoint_boundary(step)
         return _STOP
+
+    def _save_while_paused(self, step: int) -> bool:
+        """Paused after ``step``: a PauseTraining with ``checkpoint`` held here (L1-1 drains a
+        job whose pause has no checkpoint of its step: its save failed, the store away, or the
+        operator paused it without one) saves ``step`` in place and reports paused again, at
+        the same step: every rank is paused at that boundary, so it needs no agreement (its
+        number is taken as agreed: the next command's agreement starts after it), and the
+        save's collectives meet. Saved even where ``step`` was saved before: a save whose
+        write failed left it marked durable here. (Was: the ranks resumed and paused again at
+        the next boundary, one step more trained before the save, a fresh operator's trial.)
+        Returns whether one was taken."""
+        again = self._commands.take(engine_pb2.PauseTraining, step)
+        if again is None:
+            return False
+        self._commands.agree(again.seq)
+        if again.checkpoint:
+            self._save(step)
+            self._durable_step = step
+        self._settle_saves()
+        self._phase = "paused"  # (the save set it to stepping)
+        self._emit(engine_pb2.TrainingLoopPaused(job_id=self._job_id, rank=self._rank, step=step))
+        return True
 
     def _settle_saves(self) -> None:
         """Before a pause is reported, wait for the save in flight (an asynchronous one of this

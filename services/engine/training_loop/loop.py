@@ -31,6 +31,7 @@ from services.engine.training_loop.data_stream import DataStream
 from services.engine.training_loop.evaluation import Evaluation
 from services.engine.training_loop.evaluation_job import EvaluationJob
 from services.engine.training_loop.faults import _data_fault_class, _one_line, _Released, classify_fault
+from services.engine.training_loop.inbox import Inbox
 from services.engine.training_loop.ports import Batch, LoopPorts
 from services.engine.training_loop.profiling import Profiling
 from services.engine.training_loop.recovery import Recovery
@@ -86,7 +87,8 @@ class TrainingLoop(
         self._p = ports
         self._t_created = time.perf_counter() if started_at is None else started_at
         self._control: queue.Queue = queue.Queue()
-        self._batches = {s: queue.Queue(maxsize=max(1, read_ahead)) for s in ("train", "val")}
+        # (the data relay that fills them is woken at half: inbox.py)
+        self._batches = {s: Inbox(max(1, read_ahead)) for s in ("train", "val")}
         self._streams: dict[str, Any] = {"train": None, "val": None}  # each split's open stream (its token)
         self._rng_at_step: dict[str, torch.Tensor] | None = None  # the streams at the start of the step in flight
         self._generation = 0  # the generation of the group this rank trains in (0: its launch's)
@@ -165,9 +167,11 @@ class TrainingLoop(
         self._control.put(msg)
 
     def pause_training(self, msg: engine_pb2.PauseTraining, payload: Any = None) -> None:
-        """Held until the ranks agree on its boundary (module docstring, "Boundary commands").
-        Raises UnsequencedCommand (``seq`` 0)."""
-        self._commands.receive(msg)
+        """Held until the ranks agree on its boundary (module docstring, "Boundary commands");
+        one with ``checkpoint`` also wakes a paused loop: it saves the step it is paused at and
+        stays paused (a drain of a pause whose save failed). Raises UnsequencedCommand (``seq`` 0)."""
+        if self._commands.receive(msg) and msg.checkpoint and self._phase == "paused":
+            self._control.put(msg)
 
     def resume_training(self, msg: engine_pb2.ResumeTraining, payload: Any = None) -> None:
         """Resume a paused loop; ``rebuild``: into a resize (module docstring), only while paused

@@ -174,7 +174,7 @@ class ShardSaver:
     def flush(self) -> None:
         """Wait for the last commit (the run's end) while the store answers, up to the
         bound. Raises CheckpointError if it was refused."""
-        pending = self._commit_settled(self._bound_s)
+        pending = self._commit_settled(self._bound_s, breaker=False)  # (the run's end: no next interval)
         if pending is not None:
             self._report(self.saves[-1]["step"] if self.saves else 0, *pending)
 
@@ -182,6 +182,7 @@ class ShardSaver:
         self._committer.shutdown(wait=False, cancel_futures=True)
         for connecting in self._connecting:
             connecting.cancel()
+        self._liveness.close()
         self._channel.close()
         self._data_channel.close()
 
@@ -265,14 +266,14 @@ class ShardSaver:
         self.saves.append(record)
         self._log.info("sim_save", **record)
 
-    def _commit_settled(self, bound_s: float) -> tuple[int, str] | None:
+    def _commit_settled(self, bound_s: float, breaker: bool = True) -> tuple[int, str] | None:
         """(cause, reason) if rank 0's commit still waits for a store that stopped answering,
         or for one that answered but not this commit within ``bound_s``; else None."""
         commit = self._commit
         if commit is None:
             return None
         try:
-            self._liveness.wait(commit, bound_s, "the previous save's CommitSave")
+            self._liveness.wait(commit, bound_s, "the previous save's CommitSave", breaker)
         except StoreSilent as e:
             return e.cause, f"the previous save's commit is still waiting: {e}"
         self._commit = None

@@ -143,7 +143,12 @@ from services.store.checkpoint_manager.layout import (
     CheckpointRejected,
     CheckpointTransferRefused,
 )
-from services.store.checkpoint_manager.manager import CheckpointManager, read_committed, recorded_verdicts
+from services.store.checkpoint_manager.manager import (
+    CheckpointManager,
+    catalog_job_ids,
+    read_committed,
+    recorded_verdicts,
+)
 
 __all__ = [
     "CATALOG",
@@ -161,6 +166,7 @@ __all__ = [
     "CheckpointNotFound",
     "CheckpointRejected",
     "CheckpointTransferRefused",
+    "catalog_job_ids",
     "read_committed",
     "recorded_verdicts",
 ]

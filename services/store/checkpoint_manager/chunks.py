@@ -212,6 +212,6 @@ class Chunks:
         return self._swept_count(job, removed, freed)
 
     def _swept_count(self, job: str, removed: int, freed: int) -> tuple[int, int]:
-        if removed:
+        if removed and job not in self._ended:  # (an ended job's series are gone: none comes back)
             self._swept.labels(job).inc(removed)
         return removed, freed

@@ -96,6 +96,8 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
         self._opened: dict[str, int] = {}  # job -> saves begun (a fresh staging directory each)
         self._gates: dict[str, threading.Lock] = {}  # job -> held by its sweep while it removes one batch
         self._removing: dict[str, set[int]] = {}  # job -> epochs being removed whole (never reused meanwhile)
+        self._ended: set[str] = self._read_ended()  # jobs ended (series.py): a sweep of theirs makes no series
+        self._newest_known: set[str] = set()  # jobs whose newest-commit gauges this process has set
         reg = registry if registry is not None else CollectorRegistry()
         self._commits = Counter("surge_checkpoint_commits_total", "Versions committed.", ["job"], registry=reg)
         self._commit_seconds = Gauge(
@@ -110,6 +112,21 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
         self._written = Gauge(
             "surge_checkpoint_written_bytes",
             "Chunk bytes the last committed version's save wrote (a delta: what changed).",
+            ["job"],
+            registry=reg,
+        )
+        # The newest committed version's time and step, from the catalog: set at each commit, and
+        # at start for every job not ended (series.py _newest_from_catalog: after a store
+        # restart, though every save of the job fails, a full disk's included).
+        self._newest_unix = Gauge(
+            "surge_checkpoint_last_commit_timestamp_seconds",
+            "Unix time the job's newest committed checkpoint was committed (from the store's catalog).",
+            ["job"],
+            registry=reg,
+        )
+        self._newest_step = Gauge(
+            "surge_checkpoint_last_commit_step",
+            "Step of the job's newest committed checkpoint (from the store's catalog).",
             ["job"],
             registry=reg,
         )
@@ -134,6 +151,8 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
             (self._commit_seconds, ("job",)),
             (self._bytes, ("job",)),
             (self._written, ("job",)),
+            (self._newest_unix, ("job",)),
+            (self._newest_step, ("job",)),
             (self._swept, ("job",)),
             (self._rejected, ("job", "op")),
             (self._found_corrupt, ("job", "cause")),
@@ -145,6 +164,7 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
         self._scrubbed = Counter(
             "surge_checkpoint_scrubbed_versions_total", "Versions re-hashed by scrubs.", registry=reg
         )
+        self._newest_from_catalog()
 
     # ------------------------------------------------------------------ commands
 
@@ -188,6 +208,13 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
                 save.epoch, save.baseline = self._next_epoch(job, msg.baseline_every)
             save.ranks.add(msg.rank)
             path, epoch, baseline = save.path, save.epoch, save.baseline
+            if job not in self._ended and job not in self._newest_known:
+                # (a store restarted under a running job: what its catalog says, at its first save)
+                self._newest_known.add(job)
+                newest = _newest_entry(self._chain, job)
+                if newest is not None:
+                    self._newest_unix.labels(job).set(newest["created_unix"])
+                    self._newest_step.labels(job).set(newest["step"])
             gate = self._gates.get(job)
         if gate is not None:  # a sweep's batch in flight ends before this rank may look at the epoch
             with gate:
@@ -232,6 +259,7 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
             with self._lock:
                 entry = self._seal(job, msg, save, files, chunks)
                 committed = True
+                self._note_ended(job, False)  # (a resumed job: its series are made again)
                 removed = self._retain(job, msg.keep_last, msg.keep_every, msg.keep_versions)
                 plan = self._plan_sweep(job, save)
         except CheckpointRejected:
@@ -253,6 +281,8 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
         self._commit_seconds.labels(job).set(seconds)
         self._bytes.labels(job).set(entry["bytes"])
         self._written.labels(job).set(entry.get("written_bytes", entry["bytes"]))
+        self._newest_unix.labels(job).set(entry["created_unix"])
+        self._newest_step.labels(job).set(entry["step"])
         return store_pb2.SaveCompleted(
             job_id=job,
             version=entry["version"],
@@ -385,12 +415,19 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
                     f"checkpoint {msg.version} is in use: the newest ok version of {job}, which has not ended "
                     "(a relaunch resumes from it); stop the job first"
                 )
+            if msg.job_ended:  # (after a store restart too, when control's retire came before it)
+                self._note_ended(job, True)
             kept = [e for e in self._chain if e is not entry]
             self._write_catalog(kept)
             self._chain = kept
             self._chunk_sets.pop(msg.version, None)
             plan = self._plan_sweep(job)
             last = not any(e["job_id"] == job for e in kept)
+            newest = _newest_entry(kept, job)
+            if newest is not None and job in self._newest_known and job not in self._ended:
+                # (its newest deleted, an ended job's own: the gauges say the one now newest)
+                self._newest_unix.labels(job).set(newest["created_unix"])
+                self._newest_step.labels(job).set(newest["step"])
         path = self._dir / entry["path"]
         freed = sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
         shutil.rmtree(path, ignore_errors=True)
@@ -402,7 +439,8 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
 
     def _forget_series(self, job: str) -> None:
         """Remove ``job``'s label sets from this module's per-job Prometheus series."""
-        removals = [(m, (job,)) for m in (self._commits, self._commit_seconds, self._bytes, self._written, self._swept)]
+        per_job = (self._commits, self._commit_seconds, self._bytes, self._written, self._swept)
+        removals = [(m, (job,)) for m in (*per_job, self._newest_unix, self._newest_step)]
         removals += [(self._rejected, (job, op)) for op in ("commit", "retention", "load", "verify")]
         removals += [(self._found_corrupt, (job, cause)) for cause in _VERDICT_OF.values()]
         for metric, labels in removals:
@@ -524,6 +562,16 @@ def recorded_verdicts(root: str | Path, job_id: str) -> list[store_pb2.Checkpoin
     return [view._verdict_msg(e) for e in view._chain if e["job_id"] == job_id]
 
 
+def catalog_job_ids(root: str | Path) -> set[str]:
+    """The ids of the jobs with committed versions in the catalog under ``root``, read-only as
+    :func:`read_committed` (a job's name given where its id is expected is resolved against
+    them: `surgectl export NAME:N`).
+
+    Raises:
+        ValueError: the catalog is unreadable. OSError: it cannot be read."""
+    return {e["job_id"] for e in _read_only(root)._chain}
+
+
 def _read_only(root: str | Path) -> CheckpointManager:
     """A manager for the lookups only: no directory made, no lock, no metrics."""
     view = CheckpointManager.__new__(CheckpointManager)
@@ -539,3 +587,9 @@ def _not_found(said: str, hint: str) -> CheckpointNotFound:
     error = CheckpointNotFound(said + hint)
     error.bare = said
     return error
+
+
+def _newest_entry(chain: list[dict[str, Any]], job: str) -> dict[str, Any] | None:
+    """The catalog's newest committed version of ``job`` (None: none)."""
+    mine = [e for e in chain if e["job_id"] == job]
+    return max(mine, key=lambda e: e["n"]) if mine else None

@@ -1,0 +1,70 @@
+"""Two `surgectl up` of one SURGE_HOME at once (an operator's trial, 0.3 s apart): the second read
+the first's half-written stack.json and said "the running stack has 0 workers, not 3 (`surgectl
+down` then ...)", advice that would stop the stack the first was starting. Now the second sees
+the first's lock (services/cli/up_lock.py), names its pid, exit 1, and changes nothing; `down`
+and `restart` meanwhile are refused the same way; the first goes on to a whole stack."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import REPO, down_and_reap
+from tests.integration.test_end_to_end import cli
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_a_second_up_while_one_starts_the_stack_names_it_and_changes_nothing(surge_home):
+    stack_json = surge_home / "run" / "stack.json"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "services.cli.surgectl", "up", "--workers", "1", "--no-dashboard"],
+        cwd=REPO,
+        env={**os.environ, "SURGE_HOME": str(surge_home)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    stopped = False
+    try:
+        deadline = time.monotonic() + 90
+        while not stack_json.exists() and time.monotonic() < deadline and first.poll() is None:
+            time.sleep(0.02)
+        # Hold the first `up` mid-way (store and data spawned, no worker yet: the window the
+        # trial hit by chance), whatever the machine's load.
+        os.kill(first.pid, signal.SIGSTOP)
+        stopped = True
+        half = json.loads(stack_json.read_text())["services"]
+        assert first.poll() is None and not any(n.startswith("worker") for n in half), half
+
+        second = cli(surge_home, "up", "--workers", "1", "--no-dashboard", timeout=60)
+        assert second.returncode == 1, second.stdout + second.stderr
+        line = second.stderr.strip()
+        assert line.splitlines() == [line] and f"a `surgectl up` (pid {first.pid}) is starting this stack now" in line
+        assert "changed nothing" in line and "surgectl down" not in line, line
+        for refused in (["down"], ["restart", "store"]):
+            r = cli(surge_home, *refused, timeout=60)
+            assert r.returncode == 1 and f"(pid {first.pid}) is starting this stack now" in r.stderr, r.stderr
+        assert json.loads(stack_json.read_text())["services"] == half  # nothing stopped, nothing started
+
+        os.kill(first.pid, signal.SIGCONT)
+        stopped = False
+        out, err = first.communicate(timeout=120)
+        assert first.returncode == 0 and "stack is up" in out, out + err
+        assert set(json.loads(stack_json.read_text())["services"]) == {"store", "data", "control", "worker-0"}
+        again = cli(surge_home, "up", "--no-dashboard", timeout=60)  # (the lock went with the first)
+        assert again.returncode == 0 and "already up" in again.stdout, again.stdout + again.stderr
+    finally:
+        if stopped:
+            os.kill(first.pid, signal.SIGCONT)
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait()
+        down_and_reap(surge_home, cli)
