@@ -82,7 +82,18 @@ CASES = [
     ("a dying rank's release", job(activity=incident(dying={2: 1})), report("rank_released", 2), CONSEQUENCE),
     ("a dying rank's broken collective", job(activity=incident(dying={0: 1})), report("comm_error", 0), CONSEQUENCE),
     ("a rank not dying fails during a recovery", job(activity=incident(dying={2: 1})), report("rank_exit", 3), NEW_INCIDENT),
-    ("a restart's survivor is no survivor", job(activity=incident(dying={})), report("comm_error", 0), NEW_INCIDENT),
+    # A restart relaunches every rank: before its relaunch is placed, a broken collective can
+    # only be the failed generation's, even once that rank's exit was seen (CI, stop 43).
+    ("a restart's killed rank's comm_error after its exit", job(activity=incident(dying={})), report("comm_error", 0),
+     CONSEQUENCE),
+    ("a restart's killed rank's stall after its exit", job(activity=incident(dying={})),
+     report("rank_stalled_in_collective", 0), CONSEQUENCE),
+    ("a relaunched rank's own comm_error", job(activity=incident(dying={}, relaunched=True)), report("comm_error", 0),
+     NEW_INCIDENT),
+    ("a replaced rank's comm_error after the relaunch", job(activity=incident(dying={}, relaunched=True)),
+     report("comm_error", 0, replaced=True), CONSEQUENCE),
+    ("a rollback in place's live rank's comm_error", job(activity=incident("rollback", reload=True)),
+     report("comm_error", 0), NEW_INCIDENT),
     # A rebuild in place: the survivors' collectives break under them.
     ("a rebuild's survivor's comm_error", job(activity=incident("rebuild", lost=[1])), report("comm_error", 0), CONSEQUENCE),
     ("a rebuild's survivor's stall", job(activity=incident("shrink", lost=[1])), report("rank_stalled_in_collective", 3), CONSEQUENCE),

@@ -156,12 +156,20 @@ def _clipped(detail: str) -> str:
     return detail
 
 
-def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
-    return (
-        incident.action in IN_PLACE_ACTIONS
-        and report.rank not in incident.lost
-        and report.fault_class in _SURVIVOR_SYMPTOMS
-    )
+def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport, job: _Job) -> bool:
+    """Whether ``report`` is a collective that broke under the incident's ranks: a rebuild's
+    survivor's, or, where every rank is relaunched, one of the failed generation's (nothing
+    else runs before the relaunch is placed; after it, one whose incarnation was replaced).
+    A rollback in place (``reload``) kills no rank: its ranks' collectives are their own.
+    Its exit may come first (CI, stop 43: the killed survivor's exit was applied before its
+    comm_error, which was then decided as a second fault)."""
+    if report.fault_class not in _SURVIVOR_SYMPTOMS:
+        return False
+    if incident.action in IN_PLACE_ACTIONS:
+        return report.rank not in incident.lost
+    if incident.reload:
+        return False
+    return not incident.relaunched or _replaced(report, job)
 
 
 def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
@@ -224,7 +232,7 @@ def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
         # A replacement the rebuild waits for went with its node (its old rank's exit may be
         # due too): the recovery's own fault, decided anew (placed elsewhere), never waited out.
         return NEW_INCIDENT
-    if incident is not None and (incident.dying[report.rank] > 0 or _survivor_symptom(incident, report)):
+    if incident is not None and (incident.dying[report.rank] > 0 or _survivor_symptom(incident, report, job)):
         return CONSEQUENCE
     if report.fault_class == "rank_released":
         return RELEASED
