@@ -97,7 +97,14 @@ CASES = [
     # A rebuild in place: the survivors' collectives break under them.
     ("a rebuild's survivor's comm_error", job(activity=incident("rebuild", lost=[1])), report("comm_error", 0), CONSEQUENCE),
     ("a rebuild's survivor's stall", job(activity=incident("shrink", lost=[1])), report("rank_stalled_in_collective", 3), CONSEQUENCE),
-    ("the rebuilt rank's own comm_error", job(activity=incident("rebuild", lost=[1])), report("comm_error", 1), NEW_INCIDENT),
+    ("the rebuilt rank's own comm_error", job(activity=incident("rebuild", lost=[1], relaunched=True)),
+     report("comm_error", 1), NEW_INCIDENT),
+    ("a lost rank's comm_error before its replacement", job(activity=incident("rebuild", lost=[1])),
+     report("comm_error", 1), CONSEQUENCE),
+    ("a lost rank's comm_error after its replacement", job(activity=incident("rebuild", lost=[1], relaunched=True)),
+     report("comm_error", 1, replaced=True), CONSEQUENCE),
+    ("a rebuild's survivor's comm_error after the placement",
+     job(activity=incident("rebuild", lost=[1], relaunched=True)), report("comm_error", 0), CONSEQUENCE),
     ("a survivor that dies", job(activity=incident("rebuild", lost=[1])), report("rank_exit", 0), NEW_INCIDENT),
     # After the recovery: a symptom that happened before it recovered is late, not new.
     ("a comm_error from before the recovery", recovered(), report("comm_error", 0, occurred=90.0), LATE),

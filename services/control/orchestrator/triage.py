@@ -157,18 +157,17 @@ def _clipped(detail: str) -> str:
 
 
 def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport, job: _Job) -> bool:
-    """Whether ``report`` is a collective that broke under the incident's ranks: a rebuild's
-    survivor's, or, where every rank is relaunched, one of the failed generation's (nothing
-    else runs before the relaunch is placed; after it, one whose incarnation was replaced).
-    A rollback in place (``reload``) kills no rank: its ranks' collectives are their own.
-    Its exit may come first (CI, stop 43: the killed survivor's exit was applied before its
-    comm_error, which was then decided as a second fault)."""
-    if report.fault_class not in _SURVIVOR_SYMPTOMS:
+    """Whether ``report`` is a collective that broke under the incident: a rebuild's
+    survivor's (its group is rebuilt under it until the recovery ends), or one of a rank the
+    incident replaces, of its failed generation: before the relaunch is placed nothing else
+    of that rank runs; after it, its incarnation was replaced. Its exit may come first (CI,
+    stop 43: a killed rank's exit was applied before its comm_error, which was then decided
+    as a second fault). A rollback in place (``reload``) kills no rank: its ranks'
+    collectives are their own."""
+    if report.fault_class not in _SURVIVOR_SYMPTOMS or incident.reload:
         return False
-    if incident.action in IN_PLACE_ACTIONS:
-        return report.rank not in incident.lost
-    if incident.reload:
-        return False
+    if incident.action in IN_PLACE_ACTIONS and report.rank not in incident.lost:
+        return True
     return not incident.relaunched or _replaced(report, job)
 
 
