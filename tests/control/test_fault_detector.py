@@ -1116,6 +1116,30 @@ def test_replaced_incarnations_exits_count_toward_no_sick_node():
     assert [len(a) for a in alerts] == [0, 1]
 
 
+def test_after_a_control_restart_an_older_generations_exit_counts_toward_no_sick_node():
+    """After a control restart the relay cannot always state ``replaced`` (its fence is memory
+    only); L1-1 pushes each rank's newest journaled generation (``rank_generations``) and an
+    exit of an older one is graded replaced: it counts toward no node's sick count (the old
+    code counted the three late exits below and named "w" sick). The newest generation's
+    exit, or any exit where the generation is unknown, still counts."""
+    said, alerts = {}, {}
+    for newest in (9, 3, 0):
+        bus, reports = wired(
+            world_size=2, reattach_seconds=60.0, rank_worker_ids=["w2", "w2"], rank_generations=[0, newest]
+        )
+        got = alerts[newest] = []
+        bus.subscribe(
+            Module.L1_ORCHESTRATOR, control_pb2.FaultBacklogAlert, lambda msg, payload=None, g=got: g.append(msg)
+        )
+        beat(bus, rank=0, worker_id="w2")  # (both re-attached: nothing is held for the rest)
+        beat(bus, rank=1, worker_id="w2")
+        for gen in (1, 2, 3):
+            exited(bus, 1, generation=gen)
+        said[newest] = [r.replaced for r in reports.wait(3)]
+    assert said == {9: [True, True, True], 3: [True, True, False], 0: [False, False, False]}, said
+    assert {n: len(a) for n, a in alerts.items()} == {9: 0, 3: 0, 0: 1}, alerts
+
+
 def test_a_replaced_incarnations_exit_is_no_cause_of_the_collective_errors_held_now():
     """A comm_error of the live generation waits for its cause; the exit of rank 1's replaced
     incarnation coming up meanwhile is published alone: the held symptom is not named its
