@@ -163,13 +163,16 @@ def test_an_exit_control_asked_for_is_minor_and_carries_when_it_happened():
 
 
 def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
-    bus, reports = wired(heartbeat_timeout_seconds=0.3)
+    # (a 2 s deadline: small43 saw a 0.1 s sleep between beats overrun the old 0.3 s one at
+    # load 50, and the detection come 1.2 s late at load 30; neither is what this checks)
+    bus, reports = wired(heartbeat_timeout_seconds=2.0)
     for _ in range(4):  # beats inside the deadline keep it quiet
         time.sleep(0.1)
+        before = time.time()
         beat(bus, step=7)
     last = time.time()
     assert reports == []
-    (r,) = reports.wait(1)
+    (r,) = reports.wait(1, timeout=30.0)
     assert (r.fault_class, r.grade, r.rank, r.source, r.step) == (
         "rank_silent",
         FaultGrade.SEVERE,
@@ -177,12 +180,12 @@ def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
         Module.EXT_HARDWARE,
         7,
     )
-    # Never before the deadline; how late is the host's load (small43: 1.2 s at load 30 failed
-    # the old upper bound of 1 s): not asserted.
-    assert 0.25 <= r.detected_unix - last and abs(r.occurred_unix - last) < 0.05, (r, last)
-    assert "sent no heartbeat for" in r.detail and "deadline 0.3 s" in r.detail
-    time.sleep(0.5)
-    assert len(reports) == 1  # declared once, not every deadline
+    # Never before the deadline (counted from the last beat's receipt, its occurred time);
+    # how late depends on the host's load: not asserted.
+    assert before <= r.occurred_unix <= last and r.detected_unix - r.occurred_unix >= 1.95, (r, before, last)
+    assert "sent no heartbeat for" in r.detail and "deadline 2 s" in r.detail
+    time.sleep(2.5)  # (past a second deadline)
+    assert len(reports) == 1, list(reports)  # declared once, not every deadline
 
 
 def process(bus: Bus, state: int, rank: int = 1, pid: int = 100, signal: int = 0, worker_id: str = "w") -> None:
