@@ -1280,3 +1280,27 @@ def test_a_policy_pause_during_a_resize_ends_the_resize_and_a_resume_relaunches_
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     assert s.state == JobState.WARMING_UP, s.message
     assert decisions(plane, job_id)[-1].startswith(f"resume PAUSED from checkpoint {job_id}:1 (step 4)")
+
+
+@pytest.mark.parametrize("exit_first", [True, False], ids=["exit first", "failure first"])
+def test_a_ranks_own_failure_and_its_exit_are_one_incident_in_either_order(plane, store, exit_first):
+    # Session 38 (order43): a rank's exit reaches control through its node agent's process
+    # watcher, its loop's failure through its own stream: either may come first. With the exit
+    # first, the failure (its rank no longer dying: its end was the cause) was decided as a
+    # second fault, a second restart spent. The store is down so the relaunch waits unplaced.
+    job_id, w = running(plane, "wa", "wb")
+    store.down = True
+    failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="port_in_use", detail="address in use")
+    reports = [
+        lambda: plane.rank_exited(w["wb"], job_id, 1, exit_code=1),
+        lambda: plane.rank_event(w["wb"], job_id, 1, failed=failed),
+    ]
+    for report in reports if exit_first else reversed(reports):
+        report()
+    made = decisions(plane, job_id)
+    assert len(made) == 1, made
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert len(faults) == 2 and faults[1].endswith(
+        "(consequence of rank 1's " + ("rank_exit)" if exit_first else "port_in_use)")
+    ), faults
