@@ -1304,3 +1304,30 @@ def test_a_ranks_own_failure_and_its_exit_are_one_incident_in_either_order(plane
     assert len(faults) == 2 and faults[1].endswith(
         "(consequence of rank 1's " + ("rank_exit)" if exit_first else "port_in_use)")
     ), faults
+
+
+def test_a_failed_generations_ready_report_after_the_fault_is_not_counted_for_the_relaunch(plane, store):
+    # Session 38 (order43): a relaunched rank (rank 1) reports ready a moment after its peer
+    # (rank 0) died, so after the second incident began: counted, the next relaunch's group
+    # was "all ready" once the new rank 0 alone reported, and started without the new rank 1.
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)  # killed by the recovery: a consequence
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN  # relaunched (the store answered at once)
+    store.down = True  # the second recovery's relaunch waits unplaced
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=1)  # the relaunched rank 0 dies: a new incident
+    plane.rank_event(w["wb"], job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))  # its peer, late
+    assert len(decisions(plane, job_id)) == 2
+    for s in w.values():
+        drain(s)  # (the first relaunch's commands)
+    store.down = False
+    deadline, placed = time.monotonic() + 10, False
+    while not placed and time.monotonic() < deadline:  # the next retry of the verification relaunches
+        placed = any(c.WhichOneof("command") == "launch" for s in w.values() for c in drain(s))
+        time.sleep(0.05)
+    assert placed, [e.message for e in plane.events(job_id)]
+    plane.rank_event(w["wa"], job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
+    s = plane.get(job_id)
+    assert s.state == JobState.FAULT_FROZEN, [e.message for e in plane.events(job_id)]
+    plane.rank_event(w["wb"], job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))
+    assert plane.get(job_id).state == JobState.RUNNING

@@ -180,11 +180,19 @@ def _ended_already(incident: _Incident, report: control_pb2.FaultReport) -> bool
     its silence, a second end from an agent reconnecting or its node's session closing), so
     they may come after it: each was decided as a second fault (a second restart spent, the
     new decision's cause the failed rank's own words). A restart relaunches every rank, a
-    rebuild its lost ones; a rollback in place (``reload``) kills none. A restored recovery's
-    relaunch commanded again (``repeated_unix``) keeps its own rule (above in ``triage``)."""
-    if incident.reload or incident.relaunched or incident.repeated_unix:
+    rebuild its lost ones; a rollback in place (``reload``) kills none."""
+    return awaits_relaunch(incident, report.rank)
+
+
+def awaits_relaunch(incident: _Incident, rank: int) -> bool:
+    """Whether ``rank`` is one ``incident`` relaunches and its relaunch is not placed yet:
+    whatever of it reports now is of the failed incarnation (the placement's reply is applied
+    under the orchestrator's lock, so nothing a relaunch started is read before it). A
+    restored recovery (``resumed``) or its relaunch commanded again (``repeated_unix``) may
+    have relaunched already: their own rules (``triage``, ``on_training_loop_started``)."""
+    if incident.reload or incident.relaunched or incident.resumed or incident.repeated_unix:
         return False
-    return incident.action not in IN_PLACE_ACTIONS or report.rank in incident.lost
+    return incident.action not in IN_PLACE_ACTIONS or rank in incident.lost
 
 
 def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
