@@ -1372,3 +1372,18 @@ def test_a_survivors_collective_held_past_the_relaunch_and_its_replaced_exit_are
     assert len(symptom) == 1, events
     assert len(decisions(plane, job_id)) == 1, events
     assert symptom[0].endswith("(consequence of rank 1's rank_exit)"), events
+
+
+def test_a_ranks_step_fault_after_its_exit_is_the_incidents_consequence(plane, store):
+    # Session 38 (order43): a rank blocked on a step fault, then killed: its exit (its node
+    # agent's watcher) came before its StepFaultReported (its own stream), which was decided
+    # as a second fault (a rollback during the restart).
+    job_id, w = running(plane, "wa", "wb")
+    store.down = True  # the relaunch waits unplaced
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    nan = dict(job_id=job_id, step=6, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, detail="training loss is nan")
+    plane.rank_event(w["wb"], job_id, 1, step_fault=engine_pb2.StepFaultReported(rank=1, **nan))
+    made = decisions(plane, job_id)
+    assert len(made) == 1, made
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert faults[-1].endswith("(consequence of rank 1's rank_exit)"), faults

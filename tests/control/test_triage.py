@@ -31,7 +31,13 @@ SPEC = parse_job_spec(spec_yaml(dp=4))
 
 
 def report(
-    fault_class: str, rank: int, *, detected: float = 0.0, occurred: float = 0.0, replaced: bool = False
+    fault_class: str,
+    rank: int,
+    *,
+    detected: float = 0.0,
+    occurred: float = 0.0,
+    replaced: bool = False,
+    generation: int = 0,
 ) -> control_pb2.FaultReport:
     return control_pb2.FaultReport(
         job_id="j",
@@ -41,6 +47,7 @@ def report(
         detected_unix=detected,
         occurred_unix=occurred,
         replaced=replaced,
+        generation=generation,
     )
 
 
@@ -137,6 +144,12 @@ CASES = [
      NEW_INCIDENT),
     ("restart: the old cause's loop failure after the relaunch", job(activity=incident(relaunched=True)),
      report("loop_failure", 1, replaced=True), STALE),
+    # A broken collective L1-3 held for its cause past the relaunch, its rank's exit (stated
+    # replaced, published at once) having taken its dying count: its generation says it.
+    ("restart: a held collective of the replaced generation", job(activity=incident(relaunched=True), generations={0: 2}),
+     report("comm_error", 0, generation=1), CONSEQUENCE),
+    ("restart: the relaunched generation's own collective", job(activity=incident(relaunched=True), generations={0: 2}),
+     report("comm_error", 0, generation=2), NEW_INCIDENT),
     ("restart: a relaunched rank silent", job(activity=incident(relaunched=True)), report("rank_silent", 2),
      NEW_INCIDENT),
     # A rebuild: the lost rank's reports before its replacement is placed are of the one lost;

@@ -422,7 +422,9 @@ class RankEvents:
                 return
             text = f"rank {msg.rank} blocked at step {msg.step}: {msg.detail}"
             incident = job.incident
-            if incident is not None and incident.dying[msg.rank] > 0:
+            # (also a rank whose exit came first, its relaunch not placed: its report travelled
+            # its own stream, behind the exit its agent reported, and was decided as a second fault)
+            if incident is not None and (incident.dying[msg.rank] > 0 or awaits_relaunch(incident, msg.rank)):
                 if msg.reminder and incident.phase == FROZEN:
                     return  # (held for inspection: its verdict goes when the hold ends)
                 self._commit_later(msg)  # (a record only, one per rank: commit_later.py)
