@@ -98,6 +98,21 @@ def replaced_failure(ev: worker_pb2.RankEvent, worker_id: str) -> Callable[[Any]
     return mark
 
 
+def admitted_failure(msg: Any, ev: worker_pb2.RankEvent, worker_id: str) -> None:
+    """The stamp that passes on an event of the newest incarnation (admitted): where it came
+    from, and on a failure event the incarnation that failed (``Failure.generation``, as on a
+    replaced one's). L1-3 may hold a broken collective for its cause's attribution window,
+    past the relaunch that replaces its rank (session 38, order43: the survivor killed by the
+    relaunch, its exit stated replaced and published at once, the collective after it was
+    decided as a second fault): triage then knows it replaced by its generation."""
+    stamp_origin(msg, job_id=ev.job_id, rank=ev.rank, worker_id=worker_id)
+    part = msg.DESCRIPTOR.fields_by_name.get("failure")
+    if not ev.generation or part is None or part.message_type is None:
+        return
+    if "generation" in part.message_type.fields_by_name and not msg.failure.generation:
+        msg.failure.generation = ev.generation
+
+
 def replaced(fence: GenerationFence, job_id: str, rank: int, generation: int) -> bool:
     """Whether ``generation`` of (job, rank) is older than the newest control launched (0:
     unknown, never replaced): the fact the relay states on an exit (``RankExited.replaced``),

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
+from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2, worker_pb2
 from services.control.__main__ import build
 from services.control.fault_decision import JobView, decide
 from services.control.job_store import JobStore
@@ -1300,3 +1300,110 @@ def test_a_policy_pause_during_a_resize_ends_the_resize_and_a_resume_relaunches_
     s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id))
     assert s.state == JobState.WARMING_UP, s.message
     assert decisions(plane, job_id)[-1].startswith(f"resume PAUSED from checkpoint {job_id}:1 (step 4)")
+
+
+@pytest.mark.parametrize("exit_first", [True, False], ids=["exit first", "failure first"])
+def test_a_ranks_own_failure_and_its_exit_are_one_incident_in_either_order(plane, store, exit_first):
+    # Session 38 (order43): a rank's exit reaches control through its node agent's process
+    # watcher, its loop's failure through its own stream: either may come first. With the exit
+    # first, the failure (its rank no longer dying: its end was the cause) was decided as a
+    # second fault, a second restart spent. The store is down so the relaunch waits unplaced.
+    job_id, w = running(plane, "wa", "wb")
+    store.down = True
+    failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="port_in_use", detail="address in use")
+    reports = [
+        lambda: plane.rank_exited(w["wb"], job_id, 1, exit_code=1),
+        lambda: plane.rank_event(w["wb"], job_id, 1, failed=failed),
+    ]
+    for report in reports if exit_first else reversed(reports):
+        report()
+    made = decisions(plane, job_id)
+    assert len(made) == 1, made
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert len(faults) == 2 and faults[1].endswith(
+        "(consequence of rank 1's " + ("rank_exit)" if exit_first else "port_in_use)")
+    ), faults
+
+
+def test_a_failed_generations_ready_report_after_the_fault_is_not_counted_for_the_relaunch(plane, store):
+    # Session 38 (order43): a relaunched rank (rank 1) reports ready a moment after its peer
+    # (rank 0) died, so after the second incident began: counted, the next relaunch's group
+    # was "all ready" once the new rank 0 alone reported, and started without the new rank 1.
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=-9)  # killed by the recovery: a consequence
+    assert plane.get(job_id).state == JobState.FAULT_FROZEN  # relaunched (the store answered at once)
+    store.down = True  # the second recovery's relaunch waits unplaced
+    plane.rank_exited(w["wa"], job_id, 0, exit_code=1)  # the relaunched rank 0 dies: a new incident
+    plane.rank_event(w["wb"], job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))  # its peer, late
+    assert len(decisions(plane, job_id)) == 2
+    for s in w.values():
+        drain(s)  # (the first relaunch's commands)
+    store.down = False
+    deadline, placed = time.monotonic() + 10, False
+    while not placed and time.monotonic() < deadline:  # the next retry of the verification relaunches
+        placed = any(c.WhichOneof("command") == "launch" for s in w.values() for c in drain(s))
+        time.sleep(0.05)
+    assert placed, [e.message for e in plane.events(job_id)]
+    plane.rank_event(w["wa"], job_id, 0, started=engine_pb2.TrainingLoopStarted(rank=0))
+    s = plane.get(job_id)
+    assert s.state == JobState.FAULT_FROZEN, [e.message for e in plane.events(job_id)]
+    plane.rank_event(w["wb"], job_id, 1, started=engine_pb2.TrainingLoopStarted(rank=1))
+    assert plane.get(job_id).state == JobState.RUNNING
+
+
+def test_a_survivors_collective_held_past_the_relaunch_and_its_replaced_exit_are_one_incident(plane, store):
+    # Session 38 (order43), the rest of CI stop 43's class: the survivor's broken collective
+    # reaches L1-3 after the cause was decided and is held for its attribution window; the
+    # relaunch is placed meanwhile and kills the survivor, whose exit is stated replaced and so
+    # published at once (not behind its held symptom): it took the survivor's dying count, and
+    # the collective, released after it with no generation (the relay stamped none on the
+    # incarnation it admitted), was not known replaced: decided as a second fault.
+    from services.contract.relay import pack
+
+    from .test_fencing import launched
+
+    w = {n: plane.register(n) for n in ("wa", "wb")}
+    job_id = plane.submit(dp=2, steps=20, extra="liveness: {attribution_seconds: 8}").job_id
+    first = {r.rank: (n, r.generation) for n, s in w.items() for r in launched(drain(s))}
+    for rank, (n, _) in first.items():
+        plane.rank_event(w[n], job_id, rank, started=engine_pb2.TrainingLoopStarted(rank=rank))
+    store.down = True  # the relaunch waits for the store
+    plane.rank_exited(w[first[1][0]], job_id, 1, exit_code=-9, generation=first[1][1])  # the cause
+    failed = engine_pb2.TrainingLoopFailed(step=3, fault_class="comm_error", detail="Connection closed by peer")
+    ev = worker_pb2.RankEvent(
+        job_id=job_id, rank=0, generation=first[0][1], routed=pack(failed, Module.L2_TRAINING_LOOP)
+    )
+    plane.c.sessions.on_worker_event(w[first[0][0]], control_pb2.WorkerEvent(rank_event=ev))  # held by L1-3
+    store.down = False
+    deadline, second = time.monotonic() + 10, {}
+    while not second and time.monotonic() < deadline:  # the next retry of the verification relaunches
+        second = {r.rank: (n, r.generation) for n, s in w.items() for r in launched(drain(s))}
+        time.sleep(0.05)
+    assert second, [e.message for e in plane.events(job_id)]
+    plane.rank_exited(w[first[0][0]], job_id, 0, exit_code=-9, generation=first[0][1])  # killed: replaced
+    said = "rank 0 failed at step 3: Connection closed by peer"
+    deadline, symptom = time.monotonic() + 20, []
+    while not symptom and time.monotonic() < deadline:  # L1-3's window ends
+        symptom = [e.message for e in plane.events(job_id) if e.type == "fault" and said in e.message]
+        time.sleep(0.05)
+    events = [e.message for e in plane.events(job_id)]
+    assert len(symptom) == 1, events
+    assert len(decisions(plane, job_id)) == 1, events
+    assert symptom[0].endswith("(consequence of rank 1's rank_exit)"), events
+
+
+def test_a_ranks_step_fault_after_its_exit_is_the_incidents_consequence(plane, store):
+    # Session 38 (order43): a rank blocked on a step fault, then killed: its exit (its node
+    # agent's watcher) came before its StepFaultReported (its own stream), which was decided
+    # as a second fault (a rollback during the restart).
+    job_id, w = running(plane, "wa", "wb")
+    store.down = True  # the relaunch waits unplaced
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    nan = dict(job_id=job_id, step=6, kind=engine_pb2.STEP_FAULT_NON_FINITE_LOSS, detail="training loss is nan")
+    plane.rank_event(w["wb"], job_id, 1, step_fault=engine_pb2.StepFaultReported(rank=1, **nan))
+    made = decisions(plane, job_id)
+    assert len(made) == 1, made
+    faults = [e.message for e in plane.events(job_id) if e.type == "fault"]
+    assert faults[-1].endswith("(consequence of rank 1's rank_exit)"), faults

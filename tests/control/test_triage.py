@@ -31,7 +31,13 @@ SPEC = parse_job_spec(spec_yaml(dp=4))
 
 
 def report(
-    fault_class: str, rank: int, *, detected: float = 0.0, occurred: float = 0.0, replaced: bool = False
+    fault_class: str,
+    rank: int,
+    *,
+    detected: float = 0.0,
+    occurred: float = 0.0,
+    replaced: bool = False,
+    generation: int = 0,
 ) -> control_pb2.FaultReport:
     return control_pb2.FaultReport(
         job_id="j",
@@ -41,6 +47,7 @@ def report(
         detected_unix=detected,
         occurred_unix=occurred,
         replaced=replaced,
+        generation=generation,
     )
 
 
@@ -81,7 +88,12 @@ CASES = [
     ("a dying rank's exit", job(activity=incident(dying={2: 1})), report("rank_exit", 2), CONSEQUENCE),
     ("a dying rank's release", job(activity=incident(dying={2: 1})), report("rank_released", 2), CONSEQUENCE),
     ("a dying rank's broken collective", job(activity=incident(dying={0: 1})), report("comm_error", 0), CONSEQUENCE),
-    ("a rank not dying fails during a recovery", job(activity=incident(dying={2: 1})), report("rank_exit", 3), NEW_INCIDENT),
+    # A restart before its relaunch is placed: a rank not dying had its end counted already (the
+    # cause, an earlier exit), and nothing else of it runs: a second end is of that incarnation.
+    ("a rank not dying ends again during a restart", job(activity=incident(dying={2: 1})), report("rank_exit", 3),
+     CONSEQUENCE),
+    ("a relaunched rank's exit", job(activity=incident(dying={2: 1}, relaunched=True)), report("rank_exit", 3),
+     NEW_INCIDENT),
     # A restart relaunches every rank: before its relaunch is placed, a broken collective can
     # only be the failed generation's, even once that rank's exit was seen (CI, stop 43).
     ("a restart's killed rank's comm_error after its exit", job(activity=incident(dying={})), report("comm_error", 0),
@@ -106,6 +118,57 @@ CASES = [
     ("a rebuild's survivor's comm_error after the placement",
      job(activity=incident("rebuild", lost=[1], relaunched=True)), report("comm_error", 0), CONSEQUENCE),
     ("a survivor that dies", job(activity=incident("rebuild", lost=[1])), report("rank_exit", 0), NEW_INCIDENT),
+    # Report order (session 38, order43): a rank's exit reaches L1-1 through its node agent's
+    # process watcher, its own failure through its stream, L1-3's grade of its silence from a
+    # deadline, a second end from a reconnecting agent or its node's closed session: any order.
+    # The cause's exit (rank 1, not dying) first, then what that incarnation said: a consequence.
+    ("restart: the cause's loop failure after its exit", job(activity=incident(dying={0: 1, 2: 1, 3: 1})),
+     report("loop_failure", 1), CONSEQUENCE),
+    ("restart: the cause's non-finite loss after its exit", job(activity=incident(dying={0: 1, 2: 1, 3: 1})),
+     report("non_finite_loss", 1), CONSEQUENCE),
+    ("restart: the cause's silence graded after its exit", job(activity=incident(dying={0: 1, 2: 1, 3: 1})),
+     report("rank_silent", 1), CONSEQUENCE),
+    ("restart: the cause's stall graded after its exit", job(activity=incident(dying={0: 1, 2: 1, 3: 1})),
+     report("rank_stalled", 1), CONSEQUENCE),
+    ("restart: the cause lost with its node after its exit", job(activity=incident(dying={0: 1, 2: 1, 3: 1})),
+     report("worker_lost", 1), CONSEQUENCE),
+    ("restart: a rank lost with its node, then its exit", job(activity=incident(dying={0: 1, 3: 1})),
+     report("rank_exit", 2), CONSEQUENCE),
+    ("restart: the cause's failure while waiting for capacity",
+     job(activity=incident(dying={}, phase="waiting_capacity")), report("loop_failure", 1), CONSEQUENCE),
+    # ... the other order: the failure first opens the incident, its exit is a dying rank's (above).
+    ("restart: the cause's exit after its failure", job(activity=incident(dying={0: 1, 1: 1, 2: 1, 3: 1})),
+     report("rank_exit", 1), CONSEQUENCE),
+    # Once the relaunch is placed, a rank's report is its new incarnation's unless replaced.
+    ("restart: a relaunched rank's loop failure", job(activity=incident(relaunched=True)), report("loop_failure", 1),
+     NEW_INCIDENT),
+    ("restart: the old cause's loop failure after the relaunch", job(activity=incident(relaunched=True)),
+     report("loop_failure", 1, replaced=True), STALE),
+    # A broken collective L1-3 held for its cause past the relaunch, its rank's exit (stated
+    # replaced, published at once) having taken its dying count: its generation says it.
+    ("restart: a held collective of the replaced generation", job(activity=incident(relaunched=True), generations={0: 2}),
+     report("comm_error", 0, generation=1), CONSEQUENCE),
+    ("restart: the relaunched generation's own collective", job(activity=incident(relaunched=True), generations={0: 2}),
+     report("comm_error", 0, generation=2), NEW_INCIDENT),
+    ("restart: a relaunched rank silent", job(activity=incident(relaunched=True)), report("rank_silent", 2),
+     NEW_INCIDENT),
+    # A rebuild: the lost rank's reports before its replacement is placed are of the one lost;
+    # a survivor's own failure (not its broken collective) is a new loss.
+    ("rebuild: the lost rank's loop failure after its exit", job(activity=incident("rebuild", lost=[1])),
+     report("loop_failure", 1), CONSEQUENCE),
+    ("rebuild: the lost rank's silence after its exit", job(activity=incident("rebuild", lost=[1])),
+     report("rank_silent", 1), CONSEQUENCE),
+    ("rebuild: the replacement's own failure", job(activity=incident("rebuild", lost=[1], relaunched=True)),
+     report("loop_failure", 1), NEW_INCIDENT),
+    ("rebuild: a survivor's loop failure", job(activity=incident("rebuild", lost=[1])), report("loop_failure", 0),
+     NEW_INCIDENT),
+    ("rebuild: a survivor's silence", job(activity=incident("shrink", lost=[1])), report("rank_silent", 2),
+     NEW_INCIDENT),
+    # A rollback in place kills no rank: a live rank's failure is its own.
+    ("rollback in place: a live rank's loop failure", job(activity=incident("rollback", reload=True)),
+     report("loop_failure", 1), NEW_INCIDENT),
+    ("rollback in place: a live rank's exit", job(activity=incident("rollback", reload=True)),
+     report("rank_exit", 1), NEW_INCIDENT),
     # After the recovery: a symptom that happened before it recovered is late, not new.
     ("a comm_error from before the recovery", recovered(), report("comm_error", 0, occurred=90.0), LATE),
     ("a comm_error after the recovery", recovered(), report("comm_error", 0, occurred=110.0), NEW_INCIDENT),

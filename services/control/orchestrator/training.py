@@ -14,6 +14,7 @@ from services.control.orchestrator.departure_plan import save_seconds
 from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _Recovered
 from services.control.orchestrator.recovery import _step_verdict
 from services.control.orchestrator.texts import _newest, checkpoint_text
+from services.control.orchestrator.triage import awaits_relaunch
 from services.jobspec import (
     IN_PLACE_ACTIONS,
 )
@@ -43,6 +44,18 @@ class RankEvents:
                 return
             if job.status.state == JobState.FAULT_FROZEN and job.incident is None:
                 return  # frozen by a control restart: these ranks are not known here
+            if job.incident is not None and awaits_relaunch(job.incident, msg.rank):
+                # A rank of the failed generation, ready a moment after the fault (its report
+                # came behind the exit that opened the incident): counted, the relaunch's group
+                # was "all ready" before its own rank reported, and started without it.
+                self._record(
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "rank",
+                    f"rank {msg.rank} of the failed generation reported ready after the fault: not counted "
+                    "(the recovery relaunches it)",
+                )
+                return
             if job.incident is not None and job.incident.resumed:
                 # Only a relaunched rank reports ready during a recovery (the failed
                 # generation's ready reports were applied before the fault): the relaunch
@@ -409,7 +422,9 @@ class RankEvents:
                 return
             text = f"rank {msg.rank} blocked at step {msg.step}: {msg.detail}"
             incident = job.incident
-            if incident is not None and incident.dying[msg.rank] > 0:
+            # (also a rank whose exit came first, its relaunch not placed: its report travelled
+            # its own stream, behind the exit its agent reported, and was decided as a second fault)
+            if incident is not None and (incident.dying[msg.rank] > 0 or awaits_relaunch(incident, msg.rank)):
                 if msg.reminder and incident.phase == FROZEN:
                     return  # (held for inspection: its verdict goes when the hold ends)
                 self._commit_later(msg)  # (a record only, one per rank: commit_later.py)

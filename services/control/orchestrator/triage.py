@@ -171,6 +171,30 @@ def _survivor_symptom(incident: _Incident, report: control_pb2.FaultReport, job:
     return not incident.relaunched or _replaced(report, job)
 
 
+def _ended_already(incident: _Incident, report: control_pb2.FaultReport) -> bool:
+    """Whether ``report`` is of a rank the incident replaces whose end was already counted
+    (its exit was the cause, or came before this: ``dying`` holds no exit of it any more),
+    arriving before the relaunch is placed: nothing of that rank runs but the failed
+    incarnation, so whatever it says is about that one, which ended. Its reports travel
+    other paths than its exit (its loop's failure through its own stream, L1-3's grade of
+    its silence, a second end from an agent reconnecting or its node's session closing), so
+    they may come after it: each was decided as a second fault (a second restart spent, the
+    new decision's cause the failed rank's own words). A restart relaunches every rank, a
+    rebuild its lost ones; a rollback in place (``reload``) kills none."""
+    return awaits_relaunch(incident, report.rank)
+
+
+def awaits_relaunch(incident: _Incident, rank: int) -> bool:
+    """Whether ``rank`` is one ``incident`` relaunches and its relaunch is not placed yet:
+    whatever of it reports now is of the failed incarnation (the placement's reply is applied
+    under the orchestrator's lock, so nothing a relaunch started is read before it). A
+    restored recovery (``resumed``) or its relaunch commanded again (``repeated_unix``) may
+    have relaunched already: their own rules (``triage``, ``on_training_loop_started``)."""
+    if incident.reload or incident.relaunched or incident.resumed or incident.repeated_unix:
+        return False
+    return incident.action not in IN_PLACE_ACTIONS or rank in incident.lost
+
+
 def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
     """Whether ``report``, arriving after ``incident`` recovered, is a failed collective it
     caused before that: a rebuild's survivor's, or any rank's of a relaunched generation
@@ -239,4 +263,6 @@ def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
         return STALE  # (its generation was replaced: nothing of it is the job's now)
     if report.fault_class == "rank_exit_clean" and report.rank in job.finished:
         return NORMAL_END  # its loop reported finished first: the normal end of that rank
+    if incident is not None and _ended_already(incident, report):
+        return CONSEQUENCE  # (its exit came first: what it reports is of the incarnation that ended)
     return NEW_INCIDENT
