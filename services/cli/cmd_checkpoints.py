@@ -30,12 +30,17 @@ def checkpoints(
 ) -> None:
     """List committed checkpoint versions (oldest first), or verify them (--verify).
 
+    JOB is a job id or a job's name; a name is said first with the job id it resolved to.
+
     Sizes are in decimal units (KB, MB, GB: powers of 1000), as the job's events say them.
 
     Example: surgectl checkpoints demo-3f2a1c --verify
     """
     clients.store_answers("checkpoints")  # (a stopped store: said in 2 s, never a hang)
+    named = job
     job = resolve_versions_job(job) if job else None  # (a deleted job's versions stay: its id works)
+    if job and job != named and output == "table":  # (a name: which run it means, said once; -o json has job_id)
+        _say(f"{named}: job {job}")
     if verify:
         _verify_checkpoints(job or "", output, timeout)
         return

@@ -408,7 +408,8 @@ def summary_table(s: control_pb2.JobStatus, h: History, extra: dict[str, str] | 
         # control's one definition, as `surgectl status` shows it (tokens / step seconds
         # of the job's steps but the first; services/control/orchestrator/training.py _throughput)
         "tokens/s (steps after the first)": tokens_per_second(s),
-        "tokens seen": f"{s.tokens_seen:,}",
+        # (JobStatus.tokens_seen: tokens processed, the steps a recovery replayed counted again)
+        "tokens seen (replays counted again)": f"{s.tokens_seen:,}",
         # over the same steps as the tokens/s row (control's JobStatus.mfu), not the last step's
         **({"MFU (steps after the first)": mfu_text(s)} if s.peak_tflops else {}),
         "training wall time": f"{s.elapsed_seconds:.1f} s",

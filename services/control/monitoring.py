@@ -39,13 +39,16 @@ def start_monitoring(
     restored: bool = False,
     placement: Mapping[int, str] | None = None,
     step: int = 0,
+    generations: Mapping[int, int] | None = None,
 ) -> control_pb2.StartFaultMonitoring:
     """StartFaultMonitoring for ``job_id`` with the deadlines of ``spec.liveness`` (seconds).
     ``restored``: control restarted while the job ran; every rank must re-attach within
     max(REATTACH_MIN_SECONDS, 3 x heartbeat_timeout_seconds). ``placement``: rank -> the
     worker it ran on (or was launched on), as journaled (a rank missing: unknown), so that a
     rank whose node agent never re-attaches is reported lost with that worker; ``step``: the
-    job's step as journaled, what such a rank is reported at."""
+    job's step as journaled, what such a rank is reported at; ``generations``: rank -> the
+    newest generation launched of it, as journaled (an older one's exit is a replaced
+    incarnation's)."""
     live = spec.liveness
     msg = control_pb2.StartFaultMonitoring(
         job_id=job_id,
@@ -68,4 +71,5 @@ def start_monitoring(
         msg.reattach_seconds = max(REATTACH_MIN_SECONDS, 3 * live.heartbeat_timeout_seconds)
         msg.rank_worker_ids.extend((placement or {}).get(r, "") for r in range(spec.world_size))
         msg.step = max(step, 0)
+        msg.rank_generations.extend((generations or {}).get(r, 0) for r in range(spec.world_size))
     return msg

@@ -399,7 +399,7 @@ def status_table(s: control_pb2.JobStatus) -> str:
         ("train loss", _num(s.train_loss)),
         ("held-out loss", _num(s.eval_loss)),
         ("tokens/s", f"{s.tokens_per_second:,.0f}"),
-        ("tokens seen", f"{s.tokens_seen:,}"),
+        ("tokens seen (replays counted again)", f"{s.tokens_seen:,}"),
         ("ranks", f"{s.world_size} (dp {s.dp})"),
         ("checkpoint", f"{s.checkpoint_version or '—'} (step {s.checkpoint_step})"),
         ("MFU", render.mfu_text(s) if s.peak_tflops else "—"),

@@ -345,6 +345,21 @@ def test_delete_jobs_hint_lists_its_versions_by_id_and_by_name(control_served, c
     assert_one_line(code, err, 2, "no job 'nosuch'")
 
 
+def test_checkpoints_of_a_jobs_name_says_once_which_job_id_it_resolved_to(
+    control_served, catalog_served, monkeypatch, capsys
+):
+    # (small43: with several runs of one name an operator could not tell whose versions were listed)
+    job = _ended_job(control_served, "lowd")
+    catalog_served.versions = [f"{job}:59", f"{job}:60"]
+    code, out, err = run_cli(["checkpoints", "lowd"], monkeypatch, capsys)
+    assert code == 0 and out.count(f"lowd: job {job}") == 1, (out, err)
+    assert out.index(f"lowd: job {job}") < out.index("┏"), out  # (before the table; the rest is control's log)
+    code, out, err = run_cli(["checkpoints", job], monkeypatch, capsys)  # (its id: nothing to say)
+    assert code == 0 and f"{job}:59" in out and "lowd: job" not in out, (out, err)
+    code, out, err = run_cli(["checkpoints", "lowd", "-o", "json"], monkeypatch, capsys)  # (json stays json)
+    assert code == 0 and [c["version"] for c in json.loads(out)] == [f"{job}:59", f"{job}:60"], (out, err)
+
+
 def test_delete_checkpoint_takes_the_jobs_name_as_its_id(control_served, catalog_served, monkeypatch, capsys):
     # (session 35's trial: `delete checkpoint wait-c:60` said "job wait-c has no checkpoint versions")
     job = _ended_job(control_served, "waitc")

@@ -163,13 +163,16 @@ def test_an_exit_control_asked_for_is_minor_and_carries_when_it_happened():
 
 
 def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
-    bus, reports = wired(heartbeat_timeout_seconds=0.3)
+    # (a 2 s deadline: small43 saw a 0.1 s sleep between beats overrun the old 0.3 s one at
+    # load 50, and the detection come 1.2 s late at load 30; neither is what this checks)
+    bus, reports = wired(heartbeat_timeout_seconds=2.0)
     for _ in range(4):  # beats inside the deadline keep it quiet
         time.sleep(0.1)
+        before = time.time()
         beat(bus, step=7)
     last = time.time()
     assert reports == []
-    (r,) = reports.wait(1)
+    (r,) = reports.wait(1, timeout=30.0)
     assert (r.fault_class, r.grade, r.rank, r.source, r.step) == (
         "rank_silent",
         FaultGrade.SEVERE,
@@ -177,10 +180,12 @@ def test_a_rank_that_stops_beating_is_declared_silent_once_after_its_deadline():
         Module.EXT_HARDWARE,
         7,
     )
-    assert 0.25 <= r.detected_unix - last < 1.0 and abs(r.occurred_unix - last) < 0.05
-    assert "sent no heartbeat for" in r.detail and "deadline 0.3 s" in r.detail
-    time.sleep(0.5)
-    assert len(reports) == 1  # declared once, not every deadline
+    # Never before the deadline (counted from the last beat's receipt, its occurred time);
+    # how late depends on the host's load: not asserted.
+    assert before <= r.occurred_unix <= last and r.detected_unix - r.occurred_unix >= 1.95, (r, before, last)
+    assert "sent no heartbeat for" in r.detail and "deadline 2 s" in r.detail
+    time.sleep(2.5)  # (past a second deadline)
+    assert len(reports) == 1, list(reports)  # declared once, not every deadline
 
 
 def process(bus: Bus, state: int, rank: int = 1, pid: int = 100, signal: int = 0, worker_id: str = "w") -> None:
@@ -1114,6 +1119,30 @@ def test_replaced_incarnations_exits_count_toward_no_sick_node():
             exited(bus, 1, generation=gen, replaced=replaced)
         assert [r.replaced for r in reports.wait(3)] == [replaced] * 3
     assert [len(a) for a in alerts] == [0, 1]
+
+
+def test_after_a_control_restart_an_older_generations_exit_counts_toward_no_sick_node():
+    """After a control restart the relay cannot always state ``replaced`` (its fence is memory
+    only); L1-1 pushes each rank's newest journaled generation (``rank_generations``) and an
+    exit of an older one is graded replaced: it counts toward no node's sick count (the old
+    code counted the three late exits below and named "w" sick). The newest generation's
+    exit, or any exit where the generation is unknown, still counts."""
+    said, alerts = {}, {}
+    for newest in (9, 3, 0):
+        bus, reports = wired(
+            world_size=2, reattach_seconds=60.0, rank_worker_ids=["w2", "w2"], rank_generations=[0, newest]
+        )
+        got = alerts[newest] = []
+        bus.subscribe(
+            Module.L1_ORCHESTRATOR, control_pb2.FaultBacklogAlert, lambda msg, payload=None, g=got: g.append(msg)
+        )
+        beat(bus, rank=0, worker_id="w2")  # (both re-attached: nothing is held for the rest)
+        beat(bus, rank=1, worker_id="w2")
+        for gen in (1, 2, 3):
+            exited(bus, 1, generation=gen)
+        said[newest] = [r.replaced for r in reports.wait(3)]
+    assert said == {9: [True, True, True], 3: [True, True, False], 0: [False, False, False]}, said
+    assert {n: len(a) for n, a in alerts.items()} == {9: 0, 3: 0, 0: 1}, alerts
 
 
 def test_a_replaced_incarnations_exit_is_no_cause_of_the_collective_errors_held_now():

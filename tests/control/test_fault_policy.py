@@ -992,6 +992,26 @@ def test_a_lost_rank_is_replaced_in_place_and_the_survivors_get_the_new_rendezvo
     assert kinds(drain(w["wa"])) == ["StartTraining"]
 
 
+def test_tokens_seen_counts_the_steps_a_recovery_replays_again_and_says_so(plane, capsys):
+    # fresh37b #8: tokens_seen is the tokens processed, not unique tokens; the summary says so
+    # (README: `surgectl status`; control.proto JobStatus.tokens_seen).
+    from services.cli import render
+
+    job_id, w = running(plane, "wa", "wb")
+    for n in (1, 2, 3):
+        plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # (no checkpoint: restarted from scratch)
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=0)
+    for n in (1, 2):  # replayed
+        plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=n, loss=2.0, tokens=64))
+    s = plane.get(job_id)
+    assert (s.state, s.step, s.tokens_seen) == (JobState.RUNNING, 2, 5 * 64), s
+    capsys.readouterr()
+    render.console.print(render.summary_table(s, render.History()))
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "tokens seen" in line]
+    assert "tokens seen (replays counted again)" in row and "320" in row, row
+
+
 def test_a_step_that_arrives_after_the_fault_of_a_rebuild_counts_once(plane):
     # Rank 0 completed step 6 just before the kill; its record came after the fault report.
     # The survivors keep step 6 (they resume after it), so it counts: tokens and the journal

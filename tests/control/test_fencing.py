@@ -243,7 +243,8 @@ def test_a_replaced_generations_exit_that_comes_up_after_a_control_restart_is_st
     exit, then the agents of the ranks that run re-attach them. The relay's fence knew only
     what it saw since the restart (no launch, no newer rank re-attached yet), so the exit was
     not stated replaced and was decided as a new fault.
-    L1-1 journals each rank's newest launched generation: the exit is recorded stale."""
+    L1-1 journals each rank's newest launched generation: the exit is recorded stale, and L1-3
+    (told those generations) counts it toward no node's sick count."""
     from services.control.__main__ import build
     from services.control.job_store import JobStore
 
@@ -290,6 +291,10 @@ def test_a_replaced_generations_exit_that_comes_up_after_a_control_restart_is_st
         assert stale.type == "rank" and stale.message.startswith(
             f"rank 0 (rank_exit) ended after its generation was replaced: {said}"
         ), stale.message
+        # L1-3 knew it replaced too (the journaled generations, StartFaultMonitoring): it
+        # counts toward no node's sick count (the old code counted it on the old rank's node).
+        counted = [(f.worker_id, f.kind) for f in plane.c.detector._sick._faults]
+        assert counted == [], counted
     finally:
         stop_plane(plane.c)
 

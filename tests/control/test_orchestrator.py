@@ -400,6 +400,8 @@ def test_where_each_rank_runs_is_journaled_and_pushed_to_the_detector_after_a_re
     assert (monitor.world_size, list(monitor.rank_worker_ids)) == (2, ["wa", "wb"])
     assert list(start_monitoring(job_id, spec, restored=True).rank_worker_ids) == ["", ""]
     assert start_monitoring(job_id, spec, restored=True, step=13615).step == 13615  # (what an unheard rank is at)
+    # (each rank's newest launched generation: an older one's exit is a replaced incarnation's)
+    assert list(start_monitoring(job_id, spec, restored=True, generations={1: 7}).rank_generations) == [0, 7]
 
 
 def test_a_stack_crash_while_warming_up_blames_the_lost_worker_each_rank_was_launched_on(tmp_path, monkeypatch):

@@ -104,7 +104,9 @@ def test_within_a_team_the_preemptor_takes_the_slots_its_victim_released(tmp_pat
         got = launched(sessions, 2)
         assert [j for _, j, _ in launched_jobs(got)] == [high.job_id, high.job_id]
         assert plane.get(low).state == JobState.STANDBY
-        assert plane.user(control_pb2.JobQuery(job_id=low)).queue_position == 1
+        # (waited for: the launch commands may reach the nodes before the decision's view is
+        # published; small43 saw 2 here in 1 of 45 runs, 1 half a second later)
+        settle(lambda: plane.user(control_pb2.JobQuery(job_id=low)).queue_position, 1)
     finally:
         stop_plane(plane.c)
 

@@ -43,7 +43,9 @@ DEADLINE_TIMERS: dict[int, str] = {
         "protected job's minimum run time ending, a job's resize interval ending), armed by the "
         "decision that starts the wait (``_arm_policy_timer``), one per wait, re-arming cancels; "
         "and the starvation bound's next queued job reaching it (teams.py ``_arm_overdue``, through "
-        "``_arm_policy_timer``: a pass then, so its promotion is shown and tried at once)"
+        "``_arm_policy_timer``: a pass then, so its promotion is shown and tried at once); and an "
+        "operator's stop's deadline (stop_deadline.py, through ``_arm_policy_timer``: armed by the stop's "
+        "decision, or by the restore of a stop in flight; past it the ranks not stopped are killed)"
     ),
 }
 # Functions of a DEADLINE_TIMERS module that arm a step deadline although they are not

@@ -210,6 +210,7 @@ class FaultDetector(Liveness, Disruption, Stalls, Attribution, Links, Grading):
                 job.reattaching, job.reattach_s = set(range(msg.world_size)), msg.reattach_seconds
                 now = job.restored_unix = time.time()
                 job.restored_step = msg.step
+                job.generations = {r: g for r, g in enumerate(msg.rank_generations) if g}
                 workers = list(msg.rank_worker_ids)
                 job.reattach_awaited = {w for w in workers if w}
                 job.reattach_until = time.monotonic() + msg.reattach_seconds
@@ -252,12 +253,16 @@ class FaultDetector(Liveness, Disruption, Stalls, Attribution, Links, Grading):
         incarnation (``replaced``, stated by the session relay) is graded as usual and reported
         ``replaced`` (L1-1 decides; no node's sick count takes it); it ends the rank's deadlines
         only where they are still that process's (last beat from its node: its successor has
-        not beaten yet, or runs on the same node, as before), never its successor's elsewhere."""
+        not beaten yet, or runs on the same node, as before), never its successor's elsewhere.
+        After a control restart the relay cannot always say ``replaced`` (its fence is memory
+        only); an exit of a generation older than the journaled newest (``rank_generations``)
+        is taken as replaced here too, as L1-1's triage does."""
         with self._job_lock(msg.job_id):
             self._forget_process(msg.job_id, msg.rank, msg.worker_id, msg.pid)
             job = self._jobs.get(msg.job_id)
+            replaced = msg.replaced or (job is not None and 0 < msg.generation < job.generations.get(msg.rank, 0))
             own = job.ranks.get(msg.rank) if job is not None else None
-            if job is not None and msg.replaced and (own is None or own.worker_id != msg.worker_id):
+            if job is not None and replaced and (own is None or own.worker_id != msg.worker_id):
                 job = None  # (the rank's deadlines and slowdown are its newer incarnation's)
             watch = job.ranks.pop(msg.rank, None) if job is not None else None
             if watch is not None:
@@ -294,9 +299,9 @@ class FaultDetector(Liveness, Disruption, Stalls, Attribution, Links, Grading):
             step=step,
             exit_cause=msg.cause,
             generation=msg.generation,
-            replaced=msg.replaced,
+            replaced=replaced,
         )
-        if msg.replaced:
+        if replaced:
             return
         if ended_slow is not None:  # (its replacement is judged afresh)
             self._report_slow(msg.job_id, ended_slow, 0)

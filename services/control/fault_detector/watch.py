@@ -110,6 +110,9 @@ class _Job:
     reattach_pushed: float = float("-inf")  # when (monotonic) a registration last pushed it out
     restored_unix: float = 0.0  # a beat the rank sent before this is a resent one (stale)
     restored_step: int = 0  # the job's step as journaled: a rank unheard since the restart is at it
+    # Restored: rank -> the newest generation launched of it, as journaled (StartFaultMonitoring
+    # rank_generations): an exit of an older one is a replaced incarnation's.
+    generations: dict[int, int] = field(default_factory=dict)
     round_faults: int = 0  # faults of the current incident (本轮), cleared by ResetFaultLedger
     round: int = 0  # which incident round of the job (ResetFaultLedger counts them): sick_nodes.py
     slow: SlowRanks = field(default_factory=SlowRanks)  # compute per step compared (slow_ranks.py)

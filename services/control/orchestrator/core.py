@@ -78,6 +78,7 @@ from services.control.orchestrator.refusals import IllegalTransition, JobNotFoun
 from services.control.orchestrator.resize import Resizing
 from services.control.orchestrator.resume import OperatorResume, _Answer
 from services.control.orchestrator.rollback import RollingBack
+from services.control.orchestrator.stop_deadline import StopDeadlines
 from services.control.orchestrator.teams import Teams
 from services.control.orchestrator.texts import _newest
 from services.control.orchestrator.training import RankEvents
@@ -108,6 +109,7 @@ class Orchestrator(
     Profiling,
     Departures,
     Preempting,
+    StopDeadlines,
     EvalHooks,
     JournalRestore,
     Teams,
@@ -217,6 +219,7 @@ class Orchestrator(
             for job in self._jobs.values():
                 self._publish(job)
             self._rearm_preemptions()
+            self._rearm_stops()
             self._views.publish_cordons(list(self._cordoned.values()))
 
     def close(self) -> None:

@@ -97,6 +97,7 @@ class JournalRestore:
                         restored=True,
                         placement={**job.launched, **job.placement},  # (ready ranks: where they reported it)
                         step=job.status.step,
+                        generations=job.generations,
                     )
                 )
                 # The allocator learns the job again (what a recovery relaunches), with the

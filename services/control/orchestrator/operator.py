@@ -393,6 +393,7 @@ class OperatorCommands:
             how = "checkpoint and stop" if checkpoint else "stop (no checkpoint)"
             self._record(job, ORCH, "decision", f"stop requested: ranks {how} {where}")
             self._loop(cmd)
+            self._arm_stop_deadline(job.status.job_id, cmd.seq)  # (stop_deadline.py: ranks that never stop)
             # Undo if its record fails at its commit: the stop is no longer in flight (its
             # StopTraining, behind the record, is dropped), the job goes on as before; the
             # operator is told and may ask again.
