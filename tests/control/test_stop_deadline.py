@@ -108,3 +108,13 @@ def test_a_stop_in_flight_when_control_restarts_gets_its_deadline_again(tmp_path
         assert "the stop did not finish within" in s.message and "(ranks 0, 1)" in s.message, s.message
     finally:
         stop_plane(plane.c)
+
+
+def test_a_job_whose_saves_are_slow_gets_a_stop_deadline_past_its_save(monkeypatch):
+    """The floor, unless the job's last measured save times SAVE_MULTIPLE is longer: a large
+    model's stop is not killed mid-save for being slow."""
+    monkeypatch.setattr(stop_deadline, "STOP_DEADLINE_S", 900.0)
+    assert stop_deadline.stop_deadline_seconds(0.0) == 900.0  # (none measured yet)
+    assert stop_deadline.stop_deadline_seconds(60.0) == 900.0
+    assert stop_deadline.stop_deadline_seconds(600.0) == 600.0 * stop_deadline.SAVE_MULTIPLE
+    assert stop_deadline.stop_deadline_seconds(-1.0) == 900.0

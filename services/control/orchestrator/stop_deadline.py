@@ -24,6 +24,16 @@ JobOutcome = control_pb2.JobOutcome
 # How long a stop may take, from its decision to every rank stopped at its boundary (the
 # checkpoint's save and commit included): SURGE_STOP_DEADLINE_SECONDS overrides the 15 min.
 STOP_DEADLINE_S = _env_seconds("SURGE_STOP_DEADLINE_SECONDS", 900.0)
+# ... and never less than this many of the job's last measured saves: a large model's save on
+# a slow store may take longer than the floor, and a slow save is no hung stop.
+SAVE_MULTIPLE = 4.0
+
+
+def stop_deadline_seconds(save_seconds: float) -> float:
+    """A stop's deadline for a job whose last save took ``save_seconds`` (0: none measured)."""
+    return max(STOP_DEADLINE_S, SAVE_MULTIPLE * max(save_seconds, 0.0))
+
+
 _SHOWN = 16  # ranks named in the message; the rest are counted
 
 
@@ -32,14 +42,16 @@ class StopDeadlines:
 
     def _arm_stop_deadline(self, job_id: str, seq: int) -> None:
         """Under the lock: the stop #``seq`` of ``job_id`` (its StopTraining's number) has
-        STOP_DEADLINE_S to end (read at each arming, so a test may set it)."""
+        ``stop_deadline_seconds`` to end (read at each arming, so a test may set it)."""
+        job = self._jobs.get(job_id)
+        limit = stop_deadline_seconds(job.save_seconds if job is not None else 0.0)
 
         def overdue() -> None:
             with self._lock:
                 self._policy_timers.pop(f"stop:{job_id}", None)
-                self._stop_overdue(job_id, seq)
+                self._stop_overdue(job_id, seq, limit)
 
-        self._arm_policy_timer(f"stop:{job_id}", STOP_DEADLINE_S, overdue)
+        self._arm_policy_timer(f"stop:{job_id}", limit, overdue)
 
     def _rearm_stops(self) -> None:
         """Under the lock, after a restore: a stop journaled in flight gets its deadline again."""
@@ -47,7 +59,7 @@ class StopDeadlines:
             if job.pending == "stop" and job.status.state != JobState.TERMINATED:
                 self._arm_stop_deadline(job.status.job_id, job.pending_seq)
 
-    def _stop_overdue(self, job_id: str, seq: int) -> None:
+    def _stop_overdue(self, job_id: str, seq: int, limit: float) -> None:
         """Under the lock: the stop #``seq`` passed its deadline. Still in flight (not ended,
         not undone, not superseded): the ranks are killed and the job ends STOPPED."""
         job = self._jobs.get(job_id)
@@ -62,7 +74,7 @@ class StopDeadlines:
         self._terminate(
             job,
             JobOutcome.STOPPED,
-            f"stopped by the operator, not cleanly: the stop did not finish within {STOP_DEADLINE_S:g} s; "
+            f"stopped by the operator, not cleanly: the stop did not finish within {limit:g} s; "
             f"{len(missing)} of {world} ranks had not stopped at {where} (rank{'s' if len(missing) != 1 else ''} "
             f"{named}): every rank was killed; no checkpoint of the stop is claimed (newest committed: "
             f"{_newest(job)})",
