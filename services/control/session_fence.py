@@ -98,6 +98,24 @@ def replaced_failure(ev: worker_pb2.RankEvent, worker_id: str) -> Callable[[Any]
     return mark
 
 
+def admitted_stamp(ev: worker_pb2.RankEvent, worker_id: str) -> Callable[[Any], None]:
+    """The stamp of an admitted rank event's routed message: where it comes from, and on a
+    failure event the incarnation that failed (``Failure.generation``, the agent's
+    ``RankEvent.generation``; never ``replaced``: the fence admitted it). L1-3 holds a broken
+    collective for its attribution window; by the time L1-1 triages it a restart may have
+    placed the rank's relaunch, and its generation then says the report is the failed
+    generation's (triage ``_replaced``; test_recovery's SIGKILL case: a survivor's comm_error,
+    admitted as the relaunch was commanded, was decided as a second fault)."""
+
+    def stamp(msg: Any) -> None:
+        stamp_origin(msg, job_id=ev.job_id, rank=ev.rank, worker_id=worker_id)
+        field = msg.DESCRIPTOR.fields_by_name.get("failure")
+        if ev.generation and field is not None and field.message_type is not None and msg.HasField("failure"):
+            msg.failure.generation = msg.failure.generation or ev.generation
+
+    return stamp
+
+
 def replaced(fence: GenerationFence, job_id: str, rank: int, generation: int) -> bool:
     """Whether ``generation`` of (job, rank) is older than the newest control launched (0:
     unknown, never replaced): the fact the relay states on an exit (``RankExited.replaced``),

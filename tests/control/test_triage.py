@@ -31,7 +31,13 @@ SPEC = parse_job_spec(spec_yaml(dp=4))
 
 
 def report(
-    fault_class: str, rank: int, *, detected: float = 0.0, occurred: float = 0.0, replaced: bool = False
+    fault_class: str,
+    rank: int,
+    *,
+    detected: float = 0.0,
+    occurred: float = 0.0,
+    replaced: bool = False,
+    generation: int = 0,
 ) -> control_pb2.FaultReport:
     return control_pb2.FaultReport(
         job_id="j",
@@ -41,6 +47,7 @@ def report(
         detected_unix=detected,
         occurred_unix=occurred,
         replaced=replaced,
+        generation=generation,
     )
 
 
@@ -92,6 +99,15 @@ CASES = [
      NEW_INCIDENT),
     ("a replaced rank's comm_error after the relaunch", job(activity=incident(dying={}, relaunched=True)),
      report("comm_error", 0, replaced=True), CONSEQUENCE),
+    # Admitted by the relay before the relaunch's launch reached it (not stated replaced), held
+    # by L1-3 for its attribution window, triaged after the relaunch was placed: its generation
+    # says it is the failed one's (test_recovery's SIGKILL case, decided as a second fault).
+    ("a failed generation's comm_error triaged after the relaunch",
+     job(activity=incident(dying={}, relaunched=True), generations={0: 2}), report("comm_error", 0, generation=1),
+     CONSEQUENCE),
+    ("the relaunched generation's own comm_error",
+     job(activity=incident(dying={}, relaunched=True), generations={0: 2}), report("comm_error", 0, generation=2),
+     NEW_INCIDENT),
     ("a rollback in place's live rank's comm_error", job(activity=incident("rollback", reload=True)),
      report("comm_error", 0), NEW_INCIDENT),
     # A rebuild in place: the survivors' collectives break under them.
