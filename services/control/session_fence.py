@@ -98,19 +98,24 @@ def replaced_failure(ev: worker_pb2.RankEvent, worker_id: str) -> Callable[[Any]
     return mark
 
 
-def admitted_failure(msg: Any, ev: worker_pb2.RankEvent, worker_id: str) -> None:
-    """The stamp that passes on an event of the newest incarnation (admitted): where it came
-    from, and on a failure event the incarnation that failed (``Failure.generation``, as on a
-    replaced one's). L1-3 may hold a broken collective for its cause's attribution window,
-    past the relaunch that replaces its rank (session 38, order43: the survivor killed by the
-    relaunch, its exit stated replaced and published at once, the collective after it was
-    decided as a second fault): triage then knows it replaced by its generation."""
-    stamp_origin(msg, job_id=ev.job_id, rank=ev.rank, worker_id=worker_id)
-    part = msg.DESCRIPTOR.fields_by_name.get("failure")
-    if not ev.generation or part is None or part.message_type is None:
-        return
-    if "generation" in part.message_type.fields_by_name and not msg.failure.generation:
-        msg.failure.generation = ev.generation
+def admitted_stamp(ev: worker_pb2.RankEvent, worker_id: str) -> Callable[[Any], None]:
+    """The stamp of an admitted rank event's routed message: where it comes from, and on a
+    failure event the incarnation that failed (``Failure.generation``, the agent's
+    ``RankEvent.generation``; never ``replaced``: the fence admitted it). L1-3 holds a broken
+    collective for its attribution window; by the time L1-1 triages it a restart may have
+    placed the rank's relaunch, and its generation then says the report is the failed
+    generation's (triage ``_replaced``; test_recovery's SIGKILL case: a survivor's comm_error,
+    admitted as the relaunch was commanded, was decided as a second fault; order43 found the
+    same with the survivor's replaced exit published first). Only a failure part the event
+    carries is stamped: none is made where the event has none."""
+
+    def stamp(msg: Any) -> None:
+        stamp_origin(msg, job_id=ev.job_id, rank=ev.rank, worker_id=worker_id)
+        field = msg.DESCRIPTOR.fields_by_name.get("failure")
+        if ev.generation and field is not None and field.message_type is not None and msg.HasField("failure"):
+            msg.failure.generation = msg.failure.generation or ev.generation
+
+    return stamp
 
 
 def replaced(fence: GenerationFence, job_id: str, rank: int, generation: int) -> bool:

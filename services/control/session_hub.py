@@ -395,7 +395,7 @@ class SessionHub(ExactlyOnce):
             return
         if kind == "routed":
             # The envelope names the rank the node agent attached; the session names the node.
-            self._link.deliver(ev.routed, stamp=lambda msg: session_fence.admitted_failure(msg, ev, session.worker_id))
+            self._link.deliver(ev.routed, stamp=session_fence.admitted_stamp(ev, session.worker_id))
             return
         # kind == "heartbeat": liveness plumbing, relayed as the node agent (EXT_HARDWARE) speaks
         # for its processes; the envelope names the rank the agent attached, the session the node.

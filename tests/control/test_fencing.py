@@ -330,3 +330,25 @@ def test_a_replaced_generations_failure_event_is_recorded_stale_never_a_fault_an
     assert plane.get(job_id).state == control_pb2.JobState.RUNNING and plane.get(job_id).step == 1
     assert FENCED_CALLS.labels("control")._value.get() == fenced + 2  # (both fenced; the agent told once)
     assert [r.below_generation for r in released(drain(w[first[0][0]]))] == [second[0][1]]
+
+
+def test_an_admitted_failure_event_carries_the_incarnation_that_failed_and_other_events_are_left_alone():
+    """The relay stamps an admitted rank event's failure part with its generation (never
+    ``replaced``): a broken collective that L1-3 held past its relaunch's placement is then
+    told to be the failed generation's (triage ``_replaced``; test_recovery's SIGKILL case)."""
+    from services.contract import route_pb2
+    from services.control.session_fence import admitted_stamp
+
+    ev = worker_pb2.RankEvent(job_id="j", rank=0, generation=3)
+    stamp = admitted_stamp(ev, "worker-1")
+    failed = engine_pb2.TrainingLoopFailed(step=7, failure=route_pb2.Failure(cause=route_pb2.FAILURE_COMMUNICATION))
+    stamp(failed)
+    assert (failed.failure.generation, failed.failure.replaced, failed.failure.rank) == (3, False, 0)
+    assert failed.failure.job_id == "j"
+    step = engine_pb2.StepCompleted(step=1)
+    stamp(step)  # (no failure field at all)
+    assert step.step == 1
+    unknown = admitted_stamp(worker_pb2.RankEvent(job_id="j", rank=0), "worker-1")  # (an agent that states none)
+    mine = engine_pb2.TrainingLoopFailed(failure=route_pb2.Failure(cause=route_pb2.FAILURE_COMMUNICATION))
+    unknown(mine)
+    assert mine.failure.generation == 0

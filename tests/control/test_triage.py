@@ -104,6 +104,15 @@ CASES = [
      NEW_INCIDENT),
     ("a replaced rank's comm_error after the relaunch", job(activity=incident(dying={}, relaunched=True)),
      report("comm_error", 0, replaced=True), CONSEQUENCE),
+    # Admitted by the relay before the relaunch's launch reached it (not stated replaced), held
+    # by L1-3 for its attribution window, triaged after the relaunch was placed: its generation
+    # says it is the failed one's (test_recovery's SIGKILL case, decided as a second fault).
+    ("a failed generation's comm_error triaged after the relaunch",
+     job(activity=incident(dying={}, relaunched=True), generations={0: 2}), report("comm_error", 0, generation=1),
+     CONSEQUENCE),
+    ("the relaunched generation's own comm_error",
+     job(activity=incident(dying={}, relaunched=True), generations={0: 2}), report("comm_error", 0, generation=2),
+     NEW_INCIDENT),
     ("a rollback in place's live rank's comm_error", job(activity=incident("rollback", reload=True)),
      report("comm_error", 0), NEW_INCIDENT),
     # A rebuild in place: the survivors' collectives break under them.

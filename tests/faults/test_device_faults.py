@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from services.contract import control_pb2
+from services.rank.faults import lift_pace
 from tests.conftest import REPO
 from tests.faults.test_recovery import causes, finished, of_type, running_stack, spec
 
@@ -39,6 +40,9 @@ def stack(tmp_path_factory):
         "PYTHONPATH": os.pathsep.join([str(REPO), str(FAKE_NVML)]),
         "FAKE_NVML_DIR": str(nvml),
         "SURGE_WORKER_GPU_CHECK_SECONDS": "0.2",
+        # tecc's rank waits before step 5 (every incarnation) until the test lifts the pace once
+        # the fault is in: the job is still training when the sampler reports, whatever the load.
+        "SURGE_FAULT_INJECT": "tecc:slow_steps@5:rank=0:seconds=90",
     }
     with running_stack(home, ("json", "email"), ("tstart", "tecc"), env=env) as s:
         s.nvml = nvml
@@ -86,13 +90,21 @@ def test_stop_ends_ranks_that_are_still_starting(stack):
 
 
 def test_an_uncorrectable_ecc_error_excludes_the_node_and_memory_pressure_reaches_l1_2(stack):
-    # (steps enough that the job is still training when the sampler, every 0.2 s, reports)
+    # (held before step 5 until the fault is in: still training when the sampler, every 0.2 s,
+    # reports; 40 steps at 10-70 ms a step on a loaded host were done in a second or two)
     job = stack.submit(spec("tecc", steps=40, every=4).replace("dp: 2", "dp: 1"))
     stack.wait_step(job, 3)
-    placed = next(iter(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))).message
-    worker = placed.split(" allocated on ")[1].split(";")[0]  # "1 ranks allocated on worker-N; ..."
-    bad = {"devices": [{"total": 80 * GIB, "used": 78 * GIB, "ecc_uncorrected": 1}], "xids": []}
-    (stack.nvml / f"{agent_pid(stack, worker)}.json").write_text(json.dumps(bad))
+    try:
+        placed = next(iter(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))).message
+        worker = placed.split(" allocated on ")[1].split(";")[0]  # "1 ranks allocated on worker-N; ..."
+        bad = {"devices": [{"total": 80 * GIB, "used": 78 * GIB, "ecc_uncorrected": 1}], "xids": []}
+        (stack.nvml / f"{agent_pid(stack, worker)}.json").write_text(json.dumps(bad))
+        deadline = time.monotonic() + 60
+        while not causes(so_far := list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30)), "SEVERE"):
+            assert time.monotonic() < deadline, [e.message for e in so_far[-12:]]
+            time.sleep(0.1)
+    finally:
+        lift_pace(stack.home / "run" / "faults", job)  # (the relaunched rank trains at its own speed)
     events = stack.events(job)
     assert f"memory pressure on {worker} cuda:0: 2.0 GiB of 80.0 GiB available" in of_type(events, "resource")
     (fault,) = causes(events, "SEVERE device_error")

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from services.contract import control_pb2
+from services.rank.faults import lift_pace
 from tests.conftest import kill_all
 from tests.faults.test_recovery import causes, final_state, finished, of_type
 
@@ -31,12 +32,19 @@ JobState = control_pb2.JobState
 # window in which the test kills it (the healing source dies during the transfer); in
 # "rbtwice" the replacement of rank 1 sleeps before its heal and is killed there; in "rbstuck"
 # the survivor sleeps in its heal past the rebuild's deadline; in "rbsave" rank 1 sleeps in
-# its first save (step 10) and is killed there.
+# its first save (step 10) and is killed there; in "rbfreeze" rank 1 hangs before the
+# backward of step 8 until it is killed.
+# The survivor (rank 0) of "rbkill", "rbtwice", "rbsave" and "rbfreeze" waits before the step
+# after the one the test checks its process at (``slow_steps``, until the test lifts the
+# pace): the job is still running when the test looks for it, whatever the machine's load
+# (CI: rbsave's job had trained its last 4 steps and ended before the test looked).
+PACED = {"rbkill": 15, "rbtwice": 10, "rbsave": 13, "rbfreeze": 10}
 INJECT = (
     "rbkill:hang@12:rank=1,rbheal:hang@8:rank=1,rbheal:slow_heal@0:rank=0:seconds=60,"
     "rbtwice:hang@8:rank=1,rbtwice:slow_heal@0:rank=1:seconds=60,"
     "rbstuck:hang@8:rank=1,rbstuck:slow_heal@0:rank=0:seconds=60,"
-    "rbsave:slow_save@10:rank=1:seconds=60"
+    "rbsave:slow_save@10:rank=1:seconds=60,rbfreeze:hang@8:rank=1,"
+    + ",".join(f"{name}:slow_steps@{at}:rank=0:seconds=90" for name, at in PACED.items())
 )
 
 JOB = """\
@@ -80,11 +88,19 @@ def wait_for(stack, job: str, marker, what: str) -> None:
         time.sleep(0.05)
 
 
+def lift(stack, job: str) -> None:
+    """The job's ranks train at their own speed from now on (``PACED``)."""
+    lift_pace(stack.home / "run" / "faults", job)
+
+
 def survivor_kept_training(stack, job: str, survivor: int, *, past: int, rebuilds: int, steps: int = 16) -> None:
-    """Rank 0 trains past step ``past`` in its own process; the job finishes after ``rebuilds``
-    rebuild decisions for rank 1's exit, every step once."""
-    stack.wait_step(job, past)
-    assert stack.rank_pids(job, 0) == [survivor], so_far(stack, job)
+    """Rank 0 trains to step ``past`` in its own process (and waits there: ``PACED``); the job
+    finishes after ``rebuilds`` rebuild decisions for rank 1's exit, every step once."""
+    try:
+        stack.wait_step(job, past)
+        assert stack.rank_pids(job, 0) == [survivor], so_far(stack, job)
+    finally:
+        lift(stack, job)  # (failed too: a paced job would hold the shared stack's slots)
     events = stack.events(job)
     finished(events)
     decisions = of_type(events, "decision")[1:]
@@ -105,11 +121,15 @@ def test_a_rank_killed_mid_all_reduce_is_replaced_in_place_and_the_run_ends_bit_
     (victim,) = stack.rank_pids(job, 1)
     killed = time.time()
     os.kill(victim, signal.SIGKILL)
-    stack.wait_step(job, 14)
-    recovered = time.time()
-    # The survivor kept its process; rank 1 is a new one.
-    assert {0: stack.rank_pids(job, 0)} == survivors, so_far(stack, job)
-    assert stack.rank_pids(job, 1) not in ([], [victim])
+    try:
+        stack.wait_step(job, 14)
+        recovered = time.time()
+        # The survivor kept its process; rank 1 is a new one (rank 0 waits before step 15
+        # until the pace is lifted: the job still runs).
+        assert {0: stack.rank_pids(job, 0)} == survivors, so_far(stack, job)
+        assert stack.rank_pids(job, 1) not in ([], [victim]), so_far(stack, job)
+    finally:
+        lift(stack, job)
     events = stack.events(job)
     finished(events)
 
@@ -268,8 +288,11 @@ def test_a_rebuild_held_for_inspection_keeps_the_survivor_alive_and_idle_then_re
     # status poll saw it held; ci1 read no survivor then.)
     assert (stack.rank_pids(job, 0), stack.rank_pids(job, 1)) == ([survivor], []), so_far(stack, job)
     assert stack.status(job).step <= held_at + 1  # (at most the report of a step done before the kill)
-    stack.wait_step(job, held_at + 2)
-    assert stack.rank_pids(job, 0) == [survivor], so_far(stack, job)
+    try:
+        stack.wait_step(job, held_at + 2)  # (at most 9: rank 0 waits before step 10 until the pace is lifted)
+        assert stack.rank_pids(job, 0) == [survivor], so_far(stack, job)
+    finally:
+        lift(stack, job)
     events = stack.events(job)
     finished(events)
     decisions = of_type(events, "decision")[1:]

@@ -26,15 +26,25 @@ import torch
 
 from services.common.grpc_server import channel
 from services.contract import Module, control_pb2, control_pb2_grpc
+from services.rank.faults import lift_pace
 from tests.conftest import REPO, kill_all, processes_of_home, processes_with
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 SURGECTL = [sys.executable, "-m", "services.cli.surgectl"]
-INJECT = "tkill:hang@12:rank=1,tstall:hang@12:rank=1" + "".join(
-    f",tdash:slow_steps@1:rank={r}:seconds=0.3"
-    for r in (0, 1)  # (the dashboard's job: running across page loads)
+# Rank 0 of "tstop", "exactb" and "tworker" waits before the step after the one the test acts
+# at (``slow_steps``, every incarnation, until the test lifts the pace once it has acted): the
+# job is still running when the test signals its process, whatever the machine's load (steps
+# take 10-70 ms here at load 25: the rest of a 30-step job may be done in a second).
+PACED = {"tstop": 9, "exactb": 15, "tworker": 9}
+INJECT = (
+    "tkill:hang@12:rank=1,tstall:hang@12:rank=1"
+    + "".join(
+        f",tdash:slow_steps@1:rank={r}:seconds=0.3"
+        for r in (0, 1)  # (the dashboard's job: running across page loads)
+    )
+    + "".join(f",{name}:slow_steps@{at}:rank=0:seconds=90" for name, at in PACED.items())
 )
 
 JOB = """\
@@ -178,6 +188,11 @@ def causes(events, prefix: str) -> list[control_pb2.JobEvent]:
     ]
 
 
+def lift(stack: Stack, job: str) -> None:
+    """The job's ranks (and those relaunched for it) train at their own speed from now on (``PACED``)."""
+    lift_pace(stack.home / "run" / "faults", job)
+
+
 def finished(events) -> control_pb2.JobStatus:
     status = events[-1].status
     assert (status.state, status.outcome) == (JobState.TERMINATED, JobOutcome.FINISHED), events[-1].message
@@ -197,9 +212,12 @@ def metric(text: str, name: str, **labels: str) -> float:
 def test_a_sigstopped_rank_is_declared_silent_its_heartbeat_timeout_after_its_agent_states_it_stopped(stack):
     job = stack.submit(spec("tstop"))
     stack.wait_step(job, 8)
-    (pid,) = stack.rank_pids(job, 1)
-    stopped = time.time()
-    os.kill(pid, signal.SIGSTOP)
+    try:
+        (pid,) = stack.rank_pids(job, 1)
+        stopped = time.time()
+        os.kill(pid, signal.SIGSTOP)
+    finally:
+        lift(stack, job)  # (the relaunched ranks train at their own speed)
     try:
         events = stack.events(job)
     finally:
@@ -425,20 +443,23 @@ def test_a_run_killed_after_a_checkpoint_and_recovered_ends_bit_identical_to_an_
     events_a = stack.events(a)
     finished(events_a)
     b = stack.submit(spec("exactb", steps=24, every=10))
-    stack.wait_step(b, 14)
-    t0 = time.monotonic()  # and once the checkpoint of step 10 is committed (it is written in the background)
-    while not any(
-        " at step 10 " in m
-        for m in of_type(stack.stub.WatchJob(control_pb2.JobQuery(job_id=b), timeout=30), "checkpoint")
-    ):
-        assert time.monotonic() - t0 < 60, "the checkpoint of step 10 was never committed"
-        time.sleep(0.05)
-    for pid in stack.rank_pids(b, 1):
-        os.kill(pid, signal.SIGKILL)
+    stack.wait_step(b, 14)  # (rank 0 then waits before step 15 until the pace is lifted)
+    try:
+        t0 = time.monotonic()  # and once the checkpoint of step 10 is committed (it is written in the background)
+        while not any(
+            " at step 10 " in m
+            for m in of_type(stack.stub.WatchJob(control_pb2.JobQuery(job_id=b), timeout=30), "checkpoint")
+        ):
+            assert time.monotonic() - t0 < 60, "the checkpoint of step 10 was never committed"
+            time.sleep(0.05)
+        (victim,) = stack.rank_pids(b, 1)
+        os.kill(victim, signal.SIGKILL)
+    finally:
+        lift(stack, b)
     events_b = stack.events(b)
     finished(events_b)
     assert any(m.startswith("restart_ranks after rank_exit of rank 1") for m in of_type(events_b, "decision"))
-    # From a checkpoint, never from scratch (the one of step 10, or of 20 if it was committed before the kill).
+    # From a checkpoint, never from scratch (the one of step 10: the job was held before step 15).
     assert any(f"resume from checkpoint {b}:" in m for m in of_type(events_b, "recovery"))
 
     la, lb = stack.losses(a), stack.losses(b)
@@ -581,6 +602,7 @@ def test_a_dead_node_agent_is_graded_within_a_second_and_its_rank_moves_to_the_o
     services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
     killed = time.time()
     os.kill(services[worker]["pid"], signal.SIGKILL)
+    lift(stack, job)  # (the relaunched rank trains at its own speed)
     events = stack.events(job)
     (lost,) = causes(events, "SEVERE worker_lost")
     assert lost.message.startswith(f"SEVERE worker_lost: rank 0 lost with worker {worker}")
