@@ -702,6 +702,34 @@ def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_
     assert got[0].grade == FaultGrade.SEVERE
 
 
+def test_after_a_restart_the_held_survivors_collective_waits_for_the_lost_ranks_verdict_pushed_past_its_window():
+    # As above, but the survivor's comm_error is held before its agent's registration reaches
+    # L1-3 (the job's queue and the node's are not ordered): the registration pushes rank 1's
+    # re-attach deadline past the hold's window, which opened with the comm_error. The hold
+    # waits for rank 1's verdict: released at its window, the comm_error was the cause (CI ci4).
+    bus, reports = wired()
+    restored(bus, reattach_seconds=1.0, rank_worker_ids=["wa", "wb"])
+    died = time.time() - 5.0
+    bus.publish(
+        Module.L2_TRAINING_LOOP,
+        engine_pb2.TrainingLoopFailed(
+            job_id="r", rank=0, step=7, fault_class="comm_error", detail="gloo: connection closed by peer"
+        ),
+    )
+    bus.publish(
+        Module.EXT_HARDWARE,
+        control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5),
+    )
+    time.sleep(0.6)  # (past the push's quarter window: the registration pushes the deadline to ~1.6 s)
+    bus.publish(Module.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wa", slots=1))
+    got = reports.wait(3, timeout=10)
+    assert [(r.fault_class, r.rank, r.worker_id) for r in got] == [
+        ("worker_lost", 1, "wb"),
+        ("comm_error", 0, "wa"),
+        ("rank_exit", 0, "wa"),
+    ]
+
+
 def test_after_a_restart_a_rank_whose_agent_resent_its_old_beats_but_that_beats_no_more_is_silent_not_lost():
     bus, reports = wired()
     restored(bus, heartbeat_timeout_seconds=0.5, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])

@@ -263,6 +263,8 @@ def test_a_preempted_job_keeps_its_earlier_wait_for_the_starvation_bound(tmp_pat
         launched({"wa": a, "wb": b}, 2)
         s = plane.get(low)
         assert s.state == JobState.STANDBY and s.preempted_by == high and s.waited_seconds == first
+        # (the queue's view is published after the states: high's start may not be in it yet, CI ci4)
+        settle(lambda: [e.job_id for e in plane.user(control_pb2.TeamQuery()).queue], [low], timeout_s=30.0)
         (q,) = plane.user(control_pb2.TeamQuery()).queue
         assert q.job_id == low and q.waiting_seconds >= first  # (its first wait and this one)
         waiting = plane.c.orchestrator._waiting_of(plane.c.orchestrator._jobs[low].queued)

@@ -17,6 +17,10 @@ from services.control.fault_detector.rules import (
 )
 from services.control.fault_detector.watch import _Job
 
+# How long past its due time an awaited rank's silence verdict is still waited for (the
+# deadline pool may run late under load); then the held reports go without it.
+REATTACH_GRACE_S = 2.0
+
 
 def _silence(report: control_pb2.FaultReport) -> bool:
     """A rank's silence: its own (``rank_silent``) or its node agent's, which relays its beats
@@ -59,6 +63,18 @@ class Attribution:
             job = self._jobs.get(job_id)
             if job is None:
                 return
+            if job.held and (due := self._reattach_due(job)) is not None:
+                # After a control restart, a rank not heard from since may still be declared
+                # lost: its silence deadline was pushed out by an agent's re-registration
+                # (liveness.py ``_reattach_progress``) past this window, which opened with the
+                # first held symptom (a survivor's comm_error, applied on the job's queue, can
+                # come before that registration, on the node's). The story waits for that
+                # verdict: released alone, the survivor's symptom was decided as the cause
+                # (CI ci4, test_control_restart's node agent lost before the restart).
+                job.held_timer = self._deadlines.after(
+                    max(0.0, due - time.monotonic()) + 0.5, self._release_held, (job_id,)
+                )
+                return
             if any(r.fault_class in _STALLS for r in job.held):
                 pending = [
                     (r, w)
@@ -90,6 +106,20 @@ class Attribution:
             held = sorted(held, key=lambda r: r.fault_class != RANK_STALLED)
         for report in held:
             self._emit(report)
+
+    @staticmethod
+    def _reattach_due(job: _Job) -> float | None:
+        """When the last silence deadline of a rank still awaited after a control restart is
+        due (time.monotonic()), or None: none is awaited, or that deadline is cancelled or
+        overdue by ``REATTACH_GRACE_S`` (its verdict is not waited for forever)."""
+        dues = [
+            w.silence.when
+            for r in job.reattaching
+            if (w := job.ranks.get(r)) is not None and w.unheard and w.silence is not None and not w.silence.cancelled
+        ]
+        if not dues or time.monotonic() > max(dues) + REATTACH_GRACE_S:
+            return None
+        return max(dues)
 
     @staticmethod
     def _causes(held: list[control_pb2.FaultReport]) -> list[control_pb2.FaultReport]:
