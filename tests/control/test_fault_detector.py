@@ -672,16 +672,8 @@ def restored(bus: Bus, heartbeat_timeout_seconds: float = 5.0, **kw) -> None:
     bus.command(Module.L1_ORCHESTRATOR, Module.L1_FAULT_DETECTOR, monitor)
 
 
-def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_its_worker_not_the_survivor():
-    # Control was down; then rank 1's node agent was SIGKILLed (rank 1 exited with its
-    # session, unseen), rank 0's all-reduce failed and rank 0 exited. Only rank 0's agent
-    # re-attaches and resends; the survivor's exit (long before the restart) is no cause.
-    bus, reports = wired()
-    restored(bus, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
-    died = time.time() - 5.0
-    bus.publish(
-        Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died)
-    )
+def survivor_failed_and_exited(bus: Bus, died: float) -> None:
+    """What rank 0's agent resends after the restart: its broken collective, then its exit."""
     bus.publish(
         Module.L2_TRAINING_LOOP,
         engine_pb2.TrainingLoopFailed(
@@ -692,6 +684,19 @@ def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_
         Module.EXT_HARDWARE,
         control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5),
     )
+
+
+def test_after_a_restart_a_rank_whose_node_agent_never_re_attaches_is_lost_with_its_worker_not_the_survivor():
+    # Control was down; then rank 1's node agent was SIGKILLed (rank 1 exited with its
+    # session, unseen), rank 0's all-reduce failed and rank 0 exited. Only rank 0's agent
+    # re-attaches and resends; the survivor's exit (long before the restart) is no cause.
+    bus, reports = wired()
+    restored(bus, reattach_seconds=0.6, rank_worker_ids=["wa", "wb"])
+    died = time.time() - 5.0
+    bus.publish(
+        Module.EXT_HARDWARE, worker_pb2.RankHeartbeat(job_id="r", rank=0, step=7, worker_id="wa", unix_time=died)
+    )
+    survivor_failed_and_exited(bus, died)
     got = reports.wait(3)
     assert [(r.fault_class, r.rank, r.worker_id) for r in got] == [
         ("worker_lost", 1, "wb"),
@@ -710,16 +715,7 @@ def test_after_a_restart_the_held_survivors_collective_waits_for_the_lost_ranks_
     bus, reports = wired()
     restored(bus, reattach_seconds=1.0, rank_worker_ids=["wa", "wb"])
     died = time.time() - 5.0
-    bus.publish(
-        Module.L2_TRAINING_LOOP,
-        engine_pb2.TrainingLoopFailed(
-            job_id="r", rank=0, step=7, fault_class="comm_error", detail="gloo: connection closed by peer"
-        ),
-    )
-    bus.publish(
-        Module.EXT_HARDWARE,
-        control_pb2.RankExited(job_id="r", rank=0, exit_code=1, worker_id="wa", unix_time=died + 0.5),
-    )
+    survivor_failed_and_exited(bus, died)
     time.sleep(0.6)  # (past the push's quarter window: the registration pushes the deadline to ~1.6 s)
     bus.publish(Module.EXT_HARDWARE, control_pb2.WorkerRegistration(worker_id="wa", slots=1))
     got = reports.wait(3, timeout=10)
