@@ -98,26 +98,40 @@ class StoreRelay:
 
     def close(self) -> None:
         self._closed.set()
-        if self._watching is not None:
-            self._watching.cancel()
+        watching = self._watching  # (read after the set: the watch re-checks after it assigns)
+        if watching is not None:
+            watching.cancel()
 
     def _watch(self) -> None:
+        # One channel for the watch's life, owned by this thread: gRPC reconnects it (its
+        # backoff capped at the watch's own), and it is closed here, once, at the end. A channel
+        # a try, closed after each, was a hazard: the close of the process's last channel,
+        # with the store's server gone, destroys gRPC's event engine holding the GIL (grpc
+        # #42247), and one such close froze a test process whole (ci5).
+        watch = channel(
+            self._address,
+            options=[("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 5000)],
+            module=Module.L1_ORCHESTRATOR,
+        )
+        stub = store_pb2_grpc.StoreServiceStub(watch)
         backoff = 0.5
-        while not self._closed.is_set():
-            # (not SINGLE_THREADED_STREAM: this thread would wait in gRPC all the time, waking
-            # as often as the spin thread does -- 7.9 wake-ups a second against 7.2 + 0.5, session 37)
-            watch = channel(self._address, module=Module.L1_ORCHESTRATOR)
-            stub = store_pb2_grpc.StoreServiceStub(watch)
-            self._watching = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest())
-            try:
-                for corrupt in self._watching:
-                    backoff = 0.5
-                    self.post(lambda c=corrupt: self._events(c))
-            except grpc.RpcError:
-                pass  # the store went away (or control is closing): watch again once it is back
-            watch.close()  # (a channel a try: the next try opens its own)
-            self._closed.wait(backoff)  # (the relay's own reconnect backoff, not a module's poll)
-            backoff = min(backoff * 2, 5.0)
+        try:
+            while not self._closed.is_set():
+                # (not SINGLE_THREADED_STREAM: this thread would wait in gRPC all the time, waking
+                # as often as the spin thread does -- 7.9 wake-ups a second against 7.2 + 0.5, session 37)
+                self._watching = call = stub.WatchCheckpoints(store_pb2.WatchCheckpointsRequest())
+                if self._closed.is_set():
+                    call.cancel()  # (close ran between the loop's check and the assignment)
+                try:
+                    for corrupt in call:
+                        backoff = 0.5
+                        self.post(lambda c=corrupt: self._events(c))
+                except grpc.RpcError:
+                    pass  # the store went away (or control is closing): watch again once it is back
+                self._closed.wait(backoff)  # (the relay's own reconnect backoff, not a module's poll)
+                backoff = min(backoff * 2, 5.0)
+        finally:
+            watch.close()
 
     def _ask(self, method: str, msg: Any, operation: str, job_id: str) -> None:
         if self._stub is None:

@@ -1,7 +1,7 @@
 """Control's watch of the store's scrub (services/control/store_relay.py ``StoreRelay.watch``)
 against an in-test store: the store's CheckpointCorrupt events are relayed, the watch opens
-again after the store went away (on a channel of its own each time: the one before is
-closed), and ``close`` ends it."""
+again after the store went away (on its one channel: gRPC reconnects it; nothing is left of
+the try before), and ``close`` ends it."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def _spinning() -> list[str]:
     return out
 
 
-def test_the_watch_relays_the_scrubs_finds_reopens_on_a_channel_of_its_own_after_the_store_and_ends_at_close():
+def test_the_watch_relays_the_scrubs_finds_reopens_on_its_one_channel_after_the_store_and_ends_at_close():
     port, scrubs = free_port(), _Scrubs()
     server = _serve(port, scrubs)
     relayed: list[store_pb2.CheckpointCorrupt] = []
@@ -98,4 +98,22 @@ def test_the_watch_relays_the_scrubs_finds_reopens_on_a_channel_of_its_own_after
         if watcher is not None:
             watcher.join(5)
             assert not watcher.is_alive()  # close cancelled the watch: its thread ended
+        server.stop(0)
+
+
+def test_a_close_that_races_the_watch_opening_its_stream_still_ends_it():
+    # close() while the watch thread is between its closed-check and the stream's opening: the
+    # thread sees the close after it assigns the call and cancels it itself (was: the new
+    # stream was never cancelled, and the thread waited on it for as long as the store lived).
+    port, scrubs = free_port(), _Scrubs()
+    server = _serve(port, scrubs)
+    try:
+        for _ in range(20):
+            relay = StoreRelay(f"127.0.0.1:{port}", events=lambda msg, payload=None: None)
+            relay.watch()
+            watcher = next(t for t in threading.enumerate() if t.name == "store-watch")
+            relay.close()
+            watcher.join(5)
+            assert not watcher.is_alive()
+    finally:
         server.stop(0)
