@@ -461,6 +461,7 @@ class NodeAgent(RankLauncher):
             # (a node that dies after it would take it along: metric_stream.py).
             self._metrics.flush(r.init.store_address)
             if event.routed.type in _LOOP_ENDS:  # the rank waits for their acks to exit
+                r.loop_ended = True
                 self._ack_metrics(r, self._metric_acks.loop_ended(_key(r)))
         if kind == "routed" and not self.steps.send_up(r.job_id, r.rank, event.routed):
             return  # another rank's step: its beats carry its progress (step_summaries.py)

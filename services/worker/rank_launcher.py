@@ -42,6 +42,11 @@ from services.worker.rank_process import (
 # the events it sent just before dying go up before its RankExited (the kernel closes the
 # socket at exit, so this normally takes a millisecond).
 STREAM_SETTLE_SECONDS = 0.5
+# The same for a rank that exited 0 before its loop's end was read off its stream: that end (its
+# TrainingLoopFinished) is what makes the exit a normal one; a RankExited ahead of it is graded a
+# rank lost early (orchestrator/triage.py) and recovered. A loaded agent's stream reader can lag
+# the exit by more than the half second; a clean exit's report waiting costs no recovery time.
+CLEAN_EXIT_SETTLE_SECONDS = 10.0
 # A rank ended: how long the pump may take to read the rest of its output (a helper that left
 # its process group and still holds the pipe is not waited for longer).
 LOG_DRAIN_SECONDS = 2.0
@@ -70,7 +75,7 @@ class RankLauncher:
                     "launch refused: rank already running here", job_id=job_id, rank=assignment.rank, pid=old.proc.pid
                 )
                 return
-            if not old.exited.wait(old.grace_seconds + STREAM_SETTLE_SECONDS + 2.0):
+            if not old.exited.wait(old.grace_seconds + CLEAN_EXIT_SETTLE_SECONDS + 2.0):
                 self._log.error(
                     "launch refused: released rank has not ended", job_id=job_id, rank=assignment.rank, pid=old.proc.pid
                 )
@@ -233,7 +238,8 @@ class RankLauncher:
             had_session = r.session == "open"
             sent = r.agent_signal
         if had_session:
-            r.stream_closed.wait(STREAM_SETTLE_SECONDS)
+            early = code == 0 and not r.loop_ended and not r.released  # (a released rank's exit is graded so)
+            r.stream_closed.wait(CLEAN_EXIT_SETTLE_SECONDS if early else STREAM_SETTLE_SECONDS)
         signal_group(r.proc.pid, signal.SIGKILL)  # helpers the rank left behind die with it
         if r.kill_timer is not None:
             r.kill_timer.cancel()

@@ -49,6 +49,7 @@ class RankProcess:
     grace_seconds: float = 0.0
     kill_timer: threading.Timer | None = None
     stream_closed: threading.Event = field(default_factory=threading.Event)
+    loop_ended: bool = False  # its TrainingLoopFinished / TrainingLoopFailed was read off its stream
     exited: threading.Event = field(default_factory=threading.Event)  # RankExited emitted
     # What the agent last stated of it (RankProcessState), set by its waiter thread.
     process_state: int = 0
