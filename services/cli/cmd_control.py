@@ -1,17 +1,19 @@
-"""surgectl pause, resume, thaw, rollback, scale, stop, cancel, revoke, uncordon and drain: operator commands."""
+"""surgectl pause, resume, thaw, rollback, scale, stop, cancel, revoke, workers, uncordon and drain: operator commands."""
 
 from __future__ import annotations
 
+import json
 import math
 import time
 
 import typer
 
 from services.cli import clients, render, stack
-from services.cli.app import NoCheckpointOpt, _again, _say, app
+from services.cli.app import NoCheckpointOpt, OutputOpt, _again, _say, app
 from services.cli.errors import CliError
 from services.cli.jobs import resolve_job, resolve_versions_job
 from services.cli.numbers import WEEK_S, float_option
+from services.cli.worker_slots import Slots, WorkerHealth, health_of, read_slots
 from services.contract import control_pb2
 from services.jobspec import STEP_FAULT_CLASSES
 
@@ -356,7 +358,66 @@ def revoke(
 
 
 @app.command()
-def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl status` lists it")) -> None:
+def workers(
+    output: str = OutputOpt,
+    metrics: str = typer.Option(
+        "", "--metrics", help="control's /metrics URL (its slot census); default: the local stack's control"
+    ),
+) -> None:
+    """List the registered workers: each one's devices, rank slots (used, free) and health
+    (cordoned, quarantined or lost, with the reason; ranks on it named slow; data-plane links to
+    it named degraded or down). The worker ids are what `drain` and `uncordon` take. Slots come
+    from control's /metrics (the local stack's, or --metrics URL); when it cannot be read the
+    workers control's job list names are still listed, their slots shown as "?".
+
+    Example: surgectl workers; surgectl workers -o json
+    """
+    if output not in ("table", "json"):
+        raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    url = metrics or _local_control_metrics()
+    listed = clients.call("control", lambda st: st.ListJobs(control_pb2.JobQuery(), timeout=10))
+    slots = read_slots(url, timeout_s=10) if url else None
+    health = health_of([s.worker_id for s in slots or ()], listed.jobs, listed.cordoned)
+    unread = ""
+    if slots is None:
+        where = f"control's /metrics at {url} did not answer" if url else "no local stack here: pass --metrics URL"
+        unread = f"slots not read ({where}); " + (
+            'the workers control\'s job list names are shown, their slots as "?"' if health else "no worker listed"
+        )
+    if output == "json":
+        by_id = {s.worker_id: s for s in slots or ()}
+        print(json.dumps([_worker_json(h, by_id.get(h.worker_id)) for h in health], indent=2))
+    elif health:
+        render.console.print(render.workers_table(slots, health))
+        if slots is not None:
+            _say(f"{len(slots)} workers registered; rank slots: {sum(s.used for s in slots)} used, "
+                 f"{sum(s.free for s in slots)} free")  # fmt: skip
+    elif slots is not None:
+        _say("no worker is registered")
+    if unread:
+        raise CliError(unread)
+
+
+def _worker_json(h: WorkerHealth, s: Slots | None) -> dict:
+    return {
+        "worker_id": h.worker_id,
+        "devices": [{"kind": k, "name": n, "count": c} for k, n, c in s.devices] if s else None,
+        "slots_used": s.used if s else None,
+        "slots_free": s.free if s else None,
+        "placeable": not h.cordoned,
+        "health": list(h.findings),
+    }
+
+
+def _local_control_metrics() -> str:
+    """The local stack's control /metrics URL (its stack file), "" when none is known."""
+    procs = stack.read_stack() or {}
+    control = procs.get("control")
+    return f"http://{stack.HOST}:{control.metrics_port}/metrics" if control and control.metrics_port else ""
+
+
+@app.command()
+def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl workers` lists it")) -> None:
     """End a worker's cordon: a sick node's quarantine (its rank faults piled up across jobs),
     or a device's. New and relaunched ranks may be placed on it again. A worker with no
     cordon is refused in one line.
@@ -364,7 +425,7 @@ def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl
     Example: surgectl uncordon worker-2
     """
     if not worker.strip():  # (control's "UncordonWorker: worker_id is required" named its RPC, not the argument)
-        raise CliError("WORKER: empty (a worker id, as `surgectl status` lists it)", code=2)
+        raise CliError("WORKER: empty (a worker id, as `surgectl workers` lists it)", code=2)
     req = control_pb2.UncordonWorkerRequest(worker_id=worker)
     left = clients.call("control", lambda st: st.UncordonWorker(req, timeout=10)).cordoned
     still = f"; still cordoned: {', '.join(c.worker_id for c in left)}" if left else ""
@@ -373,7 +434,7 @@ def uncordon(worker: str = typer.Argument(..., help="the worker id, as `surgectl
 
 @app.command(name="drain")
 def drain_node(
-    worker: str = typer.Argument(..., help="the worker id, as `surgectl status` lists it"),
+    worker: str = typer.Argument(..., help="the worker id, as `surgectl workers` lists it"),
     deadline: float = float_option(..., "--deadline", above=0.0, max=WEEK_S, help="seconds until the node leaves"),
 ) -> None:
     """Move every job off a node that leaves within DEADLINE seconds: nothing new is placed
@@ -387,7 +448,7 @@ def drain_node(
     if not 0 < deadline < math.inf:  # (NaN and inf too)
         raise CliError(f"--deadline must be a finite number of seconds > 0, got {deadline:g}", code=2)
     if not worker.strip():
-        raise CliError("WORKER: empty (a worker id, as `surgectl status` lists it)", code=2)
+        raise CliError("WORKER: empty (a worker id, as `surgectl workers` lists it)", code=2)
     req = control_pb2.DrainWorkerRequest(worker_id=worker, deadline_seconds=deadline)
     moved = clients.call("control", lambda st: st.DrainWorker(req, timeout=10)).jobs
     jobs = (

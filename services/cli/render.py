@@ -167,6 +167,26 @@ def jobs_table(jobs) -> Table:
     return t
 
 
+def workers_table(slots, health) -> Table:
+    """`surgectl workers`: each worker's devices, rank slots (used, free; "?" when control's
+    /metrics was not read) and health (``worker_slots.health_of``)."""
+    t = Table(title="workers", caption="`surgectl drain WORKER --deadline S`, `surgectl uncordon WORKER`")
+    _id_column(t, "worker")
+    for col in ("devices", "slots used", "slots free", "health"):
+        t.add_column(col)
+    by_id = {s.worker_id: s for s in slots or ()}
+    for h in health:
+        s = by_id.get(h.worker_id)
+        t.add_row(
+            h.worker_id,
+            s.devices_text() if s else "?",
+            str(s.used) if s else "?",
+            str(s.free) if s else "?",
+            Text("\n".join(h.findings), style="bold red") if h.findings else "healthy",
+        )
+    return t
+
+
 def is_evaluation(j: control_pb2.JobStatus) -> bool:
     """An evaluation job (`surgectl evaluate`, eval.hooks): control says so in its status
     (``JobStatus.evaluation``; was: only read from ``spec_json``, which `status` is not sent,

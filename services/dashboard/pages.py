@@ -22,6 +22,7 @@ from services.cli.event_types import EVENT_TYPES
 from services.cli.observe import LogLine
 from services.cli.samples import SampleLine, latest_per_prompt
 from services.cli.scores import ScoresLine
+from services.cli.worker_slots import Slots, health_of
 from services.common.sizes import size_text
 from services.contract import Module, control_pb2, store_pb2
 from services.dashboard import charts, log_follow
@@ -55,20 +56,6 @@ figure{margin:4px 0;background:#fff;border:1px solid #dde1e7;display:inline-bloc
 figcaption{font-size:12px;color:#555;padding:2px 6px}
 .muted{color:#777}
 """
-
-
-@dataclass(frozen=True)
-class Slots:
-    """One registered worker's rank slots, as control's slot census says them (``surge_slots``)."""
-
-    worker_id: str
-    used: int
-    free: int
-    devices: tuple[tuple[str, str, int], ...] = ()  # (kind, name, count), control's ``surge_devices``
-
-    def devices_text(self) -> str:
-        """E.g. "2 x cuda NVIDIA H200", one line per kind and model."""
-        return "; ".join(f"{n} x {kind} {name}".rstrip() for kind, name, n in self.devices) or "—"
 
 
 @dataclass(frozen=True)
@@ -179,31 +166,16 @@ def cluster_page(
     """Each registered worker: its devices (kind, model, count), its slots (used, free) and its health (cordoned or quarantined
     with the reason, ranks on it named slow, data-plane links to it named degraded or down);
     ``slots`` None: control's /metrics could not be read (the page says so)."""
-    cordon = {c.worker_id: c for c in cordoned if not c.cleared}
-    slow: dict[str, list[str]] = {}
-    links: dict[str, list[str]] = {}
-    for j in jobs:
-        for r in j.slow_ranks:
-            slow.setdefault(r.worker_id, []).append(f"{j.job_id} rank {r.rank}: {r.detail}")
-        for link in j.links:
-            for w in link.worker_ids:
-                links.setdefault(w, []).append(f"{link.fault_class} {' - '.join(link.worker_ids)}: {link.detail}")
-    workers = sorted({s.worker_id for s in slots or ()} | set(cordon) | set(slow) | set(links))
     by_id = {s.worker_id: s for s in slots or ()}
     rows = []
-    for w in workers:
-        s = by_id.get(w)
-        health = []
-        if w in cordon:
-            what = "quarantined" if cordon[w].quarantine else ("lost" if cordon[w].lost else "cordoned")
-            health.append(f"<span class=bad>{what}: {e(cordon[w].reason)}</span>")
-        health += [f"<span class=bad>slow: {e(t)}</span>" for t in slow.get(w, ())]
-        health += [f"<span class=bad>{e(t)}</span>" for t in links.get(w, ())]
+    for h in health_of(list(by_id), jobs, cordoned):
+        s = by_id.get(h.worker_id)
+        health = "<br>".join(f"<span class=bad>{e(f)}</span>" for f in h.findings) or "healthy"
         rows.append(
-            f'<tr class=worker data-worker="{e(w)}"><td>{e(w)}</td>'
+            f'<tr class=worker data-worker="{e(h.worker_id)}"><td>{e(h.worker_id)}</td>'
             f"<td class=devices>{e(s.devices_text()) if s else '—'}</td>"
             f"<td class=num>{s.used if s else '—'}</td><td class=num>{s.free if s else '—'}</td>"
-            f"<td>{'<br>'.join(health) or 'healthy'}</td></tr>"
+            f"<td>{health}</td></tr>"
         )
     used = sum(s.used for s in slots or ())
     free = sum(s.free for s in slots or ())

@@ -26,24 +26,22 @@ from __future__ import annotations
 
 import copy
 import logging
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.cli.observe import LogLine, merge, parse
 from services.cli.samples import SampleLine, sample_records
 from services.cli.scores import ScoresLine, scores_records
+from services.cli.worker_slots import Slots, read_slots
 from services.common import metric_select
 from services.common.grpc_server import channel
 from services.common.job_refs import AmbiguousJob, UnknownJob, pick_job
 from services.common.rotated_files import read_rotated
 from services.contract import Module, control_pb2, control_pb2_grpc, store_pb2, store_pb2_grpc
 from services.dashboard import series
-from services.dashboard.pages import Slots
 
 log = logging.getLogger("surge.dashboard")
 
@@ -230,26 +228,4 @@ class Sources:
 
     def slots(self) -> list[Slots] | None:
         """Each registered worker's slots from control's census; None when not readable."""
-        if not self._metrics_url:
-            return None
-        try:
-            with urllib.request.urlopen(self._metrics_url, timeout=CALL_SECONDS) as r:
-                text = r.read().decode()
-        except OSError:
-            return None
-        return slots_of(text)
-
-
-def slots_of(exposition: str) -> list[Slots]:
-    """The ``surge_slots`` and ``surge_devices`` samples of a Prometheus text exposition, one
-    entry per worker."""
-    found: dict[str, dict[str, int]] = {}
-    devices: dict[str, list[tuple[str, str, int]]] = {}
-    for family in text_string_to_metric_families(exposition):
-        for sample in family.samples:
-            worker, kind = sample.labels.get("worker_id", ""), sample.labels.get("kind", "")
-            if family.name == "surge_slots":
-                found.setdefault(worker, {})[kind] = int(sample.value)
-            elif family.name == "surge_devices" and sample.value > 0:
-                devices.setdefault(worker, []).append((kind, sample.labels.get("name", ""), int(sample.value)))
-    return [Slots(w, k.get("used", 0), k.get("free", 0), tuple(devices.get(w, ()))) for w, k in sorted(found.items())]
+        return read_slots(self._metrics_url, CALL_SECONDS) if self._metrics_url else None

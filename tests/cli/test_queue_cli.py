@@ -168,3 +168,52 @@ def test_drain_cordons_a_node_in_a_line_and_refuses_an_unknown_node_or_a_bad_dea
         monkeypatch.setenv("COLUMNS", "300")
         code, out, _ = run(monkeypatch, capsys, "status")
         assert code == 0 and "draining: leaves within 60 s (`surgectl drain`)" in out
+
+
+def test_workers_lists_each_workers_slots_and_health_and_says_when_control_s_metrics_cannot_be_read(
+    tmp_path, monkeypatch, capsys
+):
+    from prometheus_client import start_http_server
+
+    from tests.ports import free_port
+
+    monkeypatch.setenv("SURGE_HOME", str(tmp_path))  # (no local stack there: no stack file)
+    with served_control(tmp_path / "control.db", monkeypatch) as (plane, stub):
+        plane.sessions.open(registration("wa"))
+        plane.sessions.open(registration("wb"))
+        port = free_port()
+        server, thread = start_http_server(port, addr="127.0.0.1")  # (this process's registry: control's census)
+        try:
+            metrics = f"http://127.0.0.1:{port}/metrics"
+            code, out, _ = run(monkeypatch, capsys, "drain", "wb", "--deadline", "60")
+            assert code == 0, out
+            code, out, err = run(monkeypatch, capsys, "workers", "--metrics", metrics, "-o", "json")
+            assert (code, err) == (0, "")
+            rows = {w["worker_id"]: w for w in json.loads(out)}
+            assert set(rows) == {"wa", "wb"}, rows
+            assert (rows["wa"]["placeable"], rows["wa"]["health"], rows["wa"]["slots_used"]) == (True, [], 0)
+            assert rows["wa"]["slots_free"] >= 1, rows["wa"]
+            assert not rows["wb"]["placeable"] and rows["wb"]["health"] == [
+                "cordoned: draining: leaves within 60 s (`surgectl drain`)"
+            ]
+            monkeypatch.setenv("COLUMNS", "300")
+            code, out, err = run(monkeypatch, capsys, "workers", "--metrics", metrics)
+            assert code == 0 and "workers registered; rank slots: 0 used," in out, out + err
+            (row,) = [line for line in out.splitlines() if "wb" in line]
+            assert "cordoned: draining" in row
+            # Control's /metrics not known here (no local stack) or not answering: what control's job
+            # list names is shown, and one line says the slots were not read, exit 1.
+            code, out, err = run(monkeypatch, capsys, "workers", "-o", "json")
+            assert code == 1 and [w["worker_id"] for w in json.loads(out)] == ["wb"], out
+            assert json.loads(out)[0]["slots_used"] is None
+            assert err.strip() == (
+                "error: slots not read (no local stack here: pass --metrics URL); the workers control's job "
+                'list names are shown, their slots as "?"'
+            )
+            code, out, err = run(monkeypatch, capsys, "workers", "--metrics", "http://127.0.0.1:1/metrics")
+            assert (
+                code == 1 and len(err.strip().splitlines()) == 1 and "http://127.0.0.1:1/metrics did not answer" in err
+            )
+        finally:
+            server.shutdown()
+            thread.join(5)

@@ -8,9 +8,9 @@ import math
 import re
 
 from services.cli.observe import parse
+from services.cli.worker_slots import slots_of
 from services.contract import Module, control_pb2, store_pb2
 from services.dashboard import pages, series
-from services.dashboard.sources import slots_of
 
 JobState = control_pb2.JobState
 
