@@ -56,6 +56,14 @@ def run_demo(spec_path: Path) -> None:
             render.console.print(sample, markup=False, highlight=False)
         if final.outcome != control_pb2.FINISHED:
             raise CliError(f"job {final.job_id} did not finish: {render.state_text(final)} {final.message}")
+    except BaseException:  # (a Ctrl-C, a failure) while its job may be live: stopped before the stack
+        if started_here and job_id:
+            with stack.ignoring_interrupts():  # (bounded: STOP_WAIT_S)
+                said = stop_live_job(job_id)
+            if said:
+                render.interrupt_line = "interrupted: the demo's job is stopped (above), and the stack it started"
+                render.console.print(said, markup=False, highlight=False, soft_wrap=True)
+        raise
     finally:
         if started_here:
             stopped = stack.down()
@@ -65,6 +73,47 @@ def run_demo(spec_path: Path) -> None:
                 highlight=False,
                 soft_wrap=True,
             )
+
+
+# How long an interrupted demo waits for its job's stop (no checkpoint: the next step boundary
+# the ranks agree on; the demo's steps take well under a second).
+STOP_WAIT_S = 30.0
+
+
+def stop_live_job(job_id: str) -> str:
+    """The demo interrupted (or failed) with its job live: stop it and wait for its end, so that
+    stopping the stack leaves no job RUNNING for the next `surgectl up` to find without its ranks
+    (was: a worker_lost fault, a restart spent, and the job trained again from its newest
+    checkpoint, or from scratch, unasked). The line to say; "" when the job had ended."""
+    import grpc
+
+    from services.cli import clients
+
+    try:
+        with clients.open_channel(clients.address("control")) as ch:
+            stub = clients.new_stub("control", ch)
+            s = stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10)
+            if s.state == control_pb2.TERMINATED:
+                return ""
+            s = stub.StopJob(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True), timeout=10)
+            deadline = time.monotonic() + STOP_WAIT_S
+            while s.state != control_pb2.TERMINATED and time.monotonic() < deadline:
+                time.sleep(0.2)
+                s = stub.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=10)
+    except (grpc.RpcError, CliError) as e:
+        why = e.details() if isinstance(e, grpc.RpcError) else str(e)
+        return f"{job_id}: not stopped ({why}); control decides about it at the next `surgectl up`"
+    if s.state != control_pb2.TERMINATED:
+        return (
+            f"{job_id}: not ended {STOP_WAIT_S:g} s after its stop ({render.state_text(s)}); "
+            "control decides about it at the next `surgectl up`"
+        )
+    if not s.checkpoint_version:
+        return f"{job_id}: stopped at step {s.step}, before its first checkpoint"
+    return (
+        f"{job_id}: stopped at step {s.step}; `surgectl up`, then `surgectl resume {job_id}`, continues it "
+        f"from {s.checkpoint_version}"
+    )
 
 
 def stopped_line(services: int, total_s: float, job_id: str) -> str:
