@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -328,8 +330,21 @@ def events(
         # (none of those types yet: from the start, control skipping the others)
         next_seq = history[-1].seq + 1 if history else 0
     if follow:
-        for ev in following.job_events(job, reconnect_seconds, from_seq=next_seq, types=kinds):
-            show(ev)
+        with _following(job):
+            for ev in following.job_events(job, reconnect_seconds, from_seq=next_seq, types=kinds):
+                show(ev)
+
+
+@contextlib.contextmanager
+def _following(job: str) -> Iterator[None]:
+    """A Ctrl-C of `events --follow` / `logs --follow` (their usual end): one line saying the job
+    goes on, exit 130 as `submit --follow`'s (was: main's "may have been cut short after it asked
+    the stack something", for a command that only reads)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        render.stopped_following(f"{job} is not affected (`surgectl status {job}`)")
+        raise typer.Exit(130) from None
 
 
 def _utc(unix_time: float) -> str:
@@ -381,8 +396,9 @@ def logs(
     if follow:  # as they come, until the job's ranks have exited
         from services.cli import follow as following
 
-        for line in following.job_logs(job, -1 if rank is None else rank, reconnect_seconds):
-            show(line)
+        with _following(job):
+            for line in following.job_logs(job, -1 if rank is None else rank, reconnect_seconds):
+                show(line)
         return
     merged = observe.local_rank_logs(job, -1 if rank is None else rank)  # the local stack: every session's lines
     if merged is None:
