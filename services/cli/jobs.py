@@ -92,8 +92,9 @@ def resolve_job(ref: str, stub: object | None = None) -> str:
     """The job id of ``ref``, a job id or a job's name (``name:`` of its spec), as every
     command that takes a JOB argument reads it.
 
-    A name several jobs share means the newest live one (not TERMINATED); when none of them
-    is live it is ambiguous. ``stub``: a control stub to ask (default: a new channel).
+    A name several jobs share means its one live job (not TERMINATED); with several live ones,
+    or none and several ended, it is ambiguous (``pick_job``). ``stub``: a control stub to ask
+    (default: a new channel).
 
     Raises:
         CliError (exit 2): no job has that id or name, or the name is ambiguous (one line
@@ -157,7 +158,7 @@ def resolve_versions_job(ref: str, unknown_as_is: bool = False, ids: Collection[
 
 def _run_with_versions(name: str, live: str, ids: Collection[str] | None) -> str:
     """For a version, the job ``name`` means is its newest run that has versions: control's
-    newest live job of the name (``live``) unless it has none and exactly one other run of the
+    live job of the name (``live``) unless it has none and exactly one other run of the
     name has (fresh37b: a queued ``joba`` with no versions hid the running one's; ``joba:1``
     was "not found"). The store unreachable: ``live``, whose lookup then says why."""
     if ids is None:
@@ -183,7 +184,7 @@ def _runs_named(name: str, ids: Collection[str]) -> list[str]:
 
 
 class AmbiguousName(CliError):
-    """A job name several of control's ended jobs share (``pick_job``'s AmbiguousJob), exit 2:
+    """A job name several of control's jobs share, ended or live (``pick_job``'s AmbiguousJob), exit 2:
     never taken for an unknown name that a caller may pass on as typed."""
 
 

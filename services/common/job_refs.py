@@ -18,7 +18,10 @@ class AmbiguousJob(UnknownJob):
 
 def pick_job(ref: str, jobs: Iterable[control_pb2.JobStatus]) -> str:
     """The job id of ``ref`` among ``jobs`` (control's list). A name several jobs share means
-    the newest live one (not TERMINATED); when none of them is live it is ambiguous.
+    the one live job (not TERMINATED) among them, the ended ones set aside (a name run again);
+    with several live ones, or none and several ended, it is ambiguous: a command must not
+    choose which of two running jobs it stops (was: the newest live one, silently; fresh-user
+    trial, session 39: `stop try2` stopped the queued try2, not the running one).
 
     Raises:
         UnknownJob: no job has that id or name, or the name is ambiguous (one line listing the ids).
@@ -30,7 +33,12 @@ def pick_job(ref: str, jobs: Iterable[control_pb2.JobStatus]) -> str:
     if not named:
         raise UnknownJob(f"no job {ref!r}: no job has that id or name (`surgectl status` lists them)")
     live = [j for j in named if j.state != control_pb2.TERMINATED]
-    if len(named) == 1 or live:
-        return (live or named)[-1].job_id
+    if len(live) == 1:
+        return live[0].job_id
+    if len(named) == 1:
+        return named[0].job_id
+    if live:
+        ids = ", ".join(f"{j.job_id} ({control_pb2.JobState.Name(j.state)})" for j in live)
+        raise AmbiguousJob(f"job name {ref!r} is ambiguous: {len(live)} live jobs have it ({ids}); give the id")
     ids = ", ".join(j.job_id for j in named)
     raise AmbiguousJob(f"job name {ref!r} is ambiguous: {len(named)} ended jobs have it ({ids}); give the id")

@@ -15,7 +15,7 @@ from services.cli.errors import CliError
 from services.cli.jobs import resolve_job
 from services.contract import control_pb2, control_pb2_grpc, store_pb2, store_pb2_grpc
 
-TERMINATED, RUNNING = control_pb2.TERMINATED, control_pb2.RUNNING
+TERMINATED, RUNNING, STANDBY = control_pb2.TERMINATED, control_pb2.RUNNING, control_pb2.STANDBY
 
 
 class _Control:
@@ -46,14 +46,23 @@ def test_a_job_is_found_by_id_or_by_name():
     assert resolve_job("other", control) == "other-2"
 
 
-def test_a_shared_name_means_the_newest_live_job():
+def test_a_shared_name_means_its_one_live_job_and_is_ambiguous_between_two_live_ones():
     control = _Control(
         ("demo-1", "demo", TERMINATED, 1.0),
         ("demo-2", "demo", RUNNING, 2.0),
-        ("demo-3", "demo", RUNNING, 3.0),
         ("demo-4", "demo", TERMINATED, 4.0),
     )
-    assert resolve_job("demo", control) == "demo-3"
+    assert resolve_job("demo", control) == "demo-2"  # (the ended ones set aside: a name run again)
+    control = _Control(
+        ("demo-1", "demo", TERMINATED, 1.0),
+        ("demo-2", "demo", RUNNING, 2.0),
+        ("demo-3", "demo", STANDBY, 3.0),
+    )
+    with pytest.raises(CliError) as e:  # (was: demo-3, the newest: `stop demo` stopped the queued one)
+        resolve_job("demo", control)
+    assert e.value.code == 2 and str(e.value) == (
+        "job name 'demo' is ambiguous: 2 live jobs have it (demo-2 (RUNNING), demo-3 (STANDBY)); give the id"
+    )
 
 
 def test_a_name_of_several_ended_jobs_is_ambiguous_listing_the_ids():
