@@ -10,6 +10,7 @@ from services.cli.errors import CliError
 from services.cli.numbers import WEEK_S, float_option
 from services.common import paths
 from services.common.access import TOKENS_FILE_ENV
+from services.contract import control_pb2
 
 
 @app.command()
@@ -275,11 +276,20 @@ def _drain_running_jobs(timeout_s: float) -> bool:
             raise _not_drained(e, addr) from None
         if not jobs:
             return False
-        names = ", ".join(f"{j.job_id} ({render.state_text(j)})" for j in jobs)
-        _say(
-            f"{len(jobs)} job{'s' if len(jobs) > 1 else ''} running: {names}; draining "
-            "(checkpoint, then PAUSED; `surgectl up` resumes them; `surgectl down --force` skips this)"
-        )
+        running = [j for j in jobs if j.state != control_pb2.PAUSED]
+        paused = [j for j in jobs if j.state == control_pb2.PAUSED and not j.drained]
+        drained = [j.job_id for j in jobs if j.state == control_pb2.PAUSED and j.drained]
+        if running:
+            names = ", ".join(f"{j.job_id} ({render.state_text(j)})" for j in running)
+            _say(
+                f"{len(running)} job{'s' if len(running) > 1 else ''} running: {names}; draining "
+                "(checkpoint, then PAUSED; `surgectl up` resumes them; `surgectl down --force` skips this)"
+            )
+        if paused:  # (was: listed as running, "`surgectl up` resumes them"; `up` leaves a pause as it is)
+            names = ", ".join(j.job_id for j in paused)
+            _say(f"PAUSED: {names}; stays PAUSED after `surgectl up` (`surgectl resume JOB` continues it)")
+        if drained:  # (an earlier `down`'s drain, interrupted)
+            _say(f"drained already: {', '.join(drained)}; `surgectl up` resumes them")
         try:
             drain.drain(stub, jobs, timeout_s, _say)
         except grpc.RpcError as e:  # control went away (or broke) during the drain
