@@ -382,6 +382,14 @@ def logs(
         # keeps them), found by the id or the name. Never when control answered (a job it does
         # not know, or another team's: its files are not read past its refusal).
         local = None if follow or not e.unreachable else observe.local_job(job)
+        if local is None and e.unreachable and not follow:
+            # (was control's unreachability alone, as if `logs` needed the stack; it reads
+            # this machine's files without it, and they have no job of that id or name)
+            raise CliError(
+                f"no rank logs of {job!r} on this machine ({observe.logs_dir()}), and control, which knows "
+                f"every job, cannot be asked: {e}",
+                unreachable=True,
+            ) from None
         if local is None:
             raise
         job = local

@@ -160,8 +160,8 @@ def test_logs_with_the_stack_down_read_the_local_rank_files_by_id_or_name(surge_
     assert code == 0 and out.splitlines() == [(line % (2, 2)).strip(), (line % (3, 3)).strip()], (code, err)
     code, out, err = run_cli(["logs", "demo-0a0a0a", "-o", "json"], monkeypatch, capsys)
     assert code == 0 and out.splitlines() == [(line % (1, 1)).strip()], (code, err)
-    code, _, err = run_cli(["logs", "other"], monkeypatch, capsys)
-    assert_one_line(code, err, 1, "control address unknown")
+    code, _, err = run_cli(["logs", "other"], monkeypatch, capsys)  # (no files of it, control not there)
+    assert_one_line(code, err, 1, "no rank logs of 'other' on this machine", "control address unknown")
 
 
 def test_up_with_an_unwritable_home_is_one_line_and_starts_nothing(tmp_path, monkeypatch, capsys):

@@ -507,6 +507,17 @@ def test_load_of_an_unknown_version_names_the_versions_that_exist(manager):
     )
     with pytest.raises(ValueError, match='checkpoint version "demo-x"'):
         load(manager, "demo-x")
+    # Newest commit last, whichever job first committed; past five jobs, how many more there are
+    # (was: the first five jobs to commit, the rest left out unsaid: fresh-user trial).
+    for job in ("j1", "j2", "j3", "j4", "j5"):
+        save(manager, job, 1)
+    save(manager, "demo-x", 3)
+    with pytest.raises(CheckpointNotFound) as e:
+        load(manager, "other:1")
+    assert str(e.value) == (
+        "checkpoint other:1 not found: no checkpoint of job other "
+        "(latest of each job: j2:1, j3:1, j4:1, j5:1, demo-x:3; 1 more job: `surgectl checkpoints`)"
+    )
 
 
 def test_latest_is_the_newest_commit_of_any_job_and_job_latest_that_jobs_newest(manager):

@@ -492,8 +492,14 @@ class CheckpointManager(Staging, Chunks, Commit, Verification, DataPlane, Series
             have = ", ".join(e["version"] for e in mine)
             raise _not_found(f"checkpoint {version} not found", f" (have: {have})")
         if not hit:  # an unknown job: name the jobs that do have checkpoints (newest last)
-            latest = {e["job_id"]: e["version"] for e in self._chain}
-            have = ", ".join(list(latest.values())[-5:]) or "none"
+            latest: dict[str, str] = {}
+            for e in self._chain:  # (a job's newer commit moves it last: newest last, as said)
+                latest.pop(e["job_id"], None)
+                latest[e["job_id"]] = e["version"]
+            shown = list(latest.values())[-5:]
+            left = len(latest) - len(shown)
+            more = f"; {left} more job{'s' if left > 1 else ''}: `surgectl checkpoints`" if left else ""
+            have = (", ".join(shown) or "none") + more
             raise _not_found(
                 f"checkpoint {version} not found: no checkpoint of job {job}", f" (latest of each job: {have})"
             )
