@@ -104,6 +104,9 @@ def running() -> DashboardProc | None:
     return proc if pid_alive(proc.pid) else None
 
 
+PORT_KEY = "dashboard.port"  # (its entry in the stack's ports.json)
+
+
 def start() -> DashboardProc:
     """The running dashboard of this stack, or a new one started and answering.
 
@@ -118,11 +121,15 @@ def start() -> DashboardProc:
     tokens = stack_access.recorded(control) or ""
     if not tokens:
         token()  # (made before the process reads it)
+    # Its port of the last time first, as the services keep theirs (a bookmarked URL keeps
+    # working across `down` / `up`; was: a new port at every start).
+    first = stack.remembered_port(PORT_KEY)
     for attempt in range(START_ATTEMPTS):
-        proc = _spawn(procs, stack.free_port(), tokens)
+        proc = _spawn(procs, first if attempt == 0 and first else stack.free_port(), tokens)
         record_file().write_text(json.dumps(asdict(proc)))
         status = _wait_answering(proc)
         if status is None:
+            stack.remember_port(PORT_KEY, proc.port)
             return proc
         if status != EXIT_PORT_IN_USE or attempt == START_ATTEMPTS - 1:
             record_file().unlink(missing_ok=True)

@@ -649,6 +649,21 @@ def _remembered_ports() -> dict[str, int]:
         return {}
 
 
+def remembered_port(key: str) -> int:
+    """The port ``key`` ("<name>.port") had the last time, if it is free now; else 0."""
+    port = _remembered_ports().get(key, 0)
+    return port if port and port_free(port) else 0
+
+
+def remember_port(key: str, port: int) -> None:
+    """Keep ``port`` as ``key``'s for the next time (``ports.json``)."""
+    run = paths.run_dir()
+    ports = {**_remembered_ports(), key: port}
+    tmp = run / f"{PORTS_FILE}.tmp"
+    tmp.write_text(json.dumps(ports, indent=2))
+    tmp.replace(run / PORTS_FILE)
+
+
 def _remember_ports(procs: dict[str, ServiceProc]) -> None:
     """Keep every service's ports for the next `up` (``ports.json``, kept by `down`) and write
     ``prometheus_targets.json``: the stack's /metrics endpoints in Prometheus' file_sd format,

@@ -80,3 +80,22 @@ def test_surgectl_dashboard_of_a_stack_with_a_tokens_file_hands_it_that_file(sur
         assert status("the-stacks-own") == 401 and status("tok-eve") == 401
     finally:
         assert dashboard.stop() is True
+
+
+def test_the_dashboard_port_of_the_last_start_is_taken_again_when_free(surge_home):
+    # (as the services keep theirs across `down` / `up`: a bookmarked URL keeps working; was a new
+    # port at every start, fresh-user trial)
+    import socket
+
+    from services.cli import stack
+    from tests.ports import free_port
+
+    stack.paths.run_dir().mkdir(parents=True, exist_ok=True)
+    assert stack.remembered_port(dashboard.PORT_KEY) == 0  # (none yet: a fresh port)
+    port = free_port()
+    stack.remember_port(dashboard.PORT_KEY, port)
+    assert stack.remembered_port(dashboard.PORT_KEY) == port
+    with socket.socket() as taken:  # another process holds it now: not offered
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        assert stack.remembered_port(dashboard.PORT_KEY) == 0
