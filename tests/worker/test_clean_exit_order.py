@@ -27,7 +27,7 @@ READER_LAG_S = 3.0  # (past STREAM_SETTLE_SECONDS, inside CLEAN_EXIT_SETTLE_SECO
 
 def exit_reported_after_a_lagging_reader(tmp_path, monkeypatch, code: int, loop_end_read: bool) -> tuple[float, float]:
     """Launch a rank that exits with ``code`` at once; its stream's reader ends READER_LAG_S after
-    the launch. When (monotonic) the reader ended and when its RankExited was emitted."""
+    the exit. When (monotonic) the reader ended and when its RankExited was emitted."""
     monkeypatch.setattr(
         rank_launcher, "rank_command_line", lambda *a: [sys.executable, "-c", f"raise SystemExit({code})"]
     )
@@ -59,6 +59,12 @@ def exit_reported_after_a_lagging_reader(tmp_path, monkeypatch, code: int, loop_
         ended["at"] = time.monotonic()
         r.stream_closed.set()
 
+    # The reader's lag counts from the exit, not the launch (an interpreter's start on a loaded
+    # machine can take seconds): the agent's waiter marks the rank dead the moment it reaps it.
+    deadline = time.monotonic() + 30
+    while not r.dead:
+        assert time.monotonic() < deadline, "the rank process did not exit"
+        time.sleep(0.01)
     timer = threading.Timer(READER_LAG_S, reader_ends)
     timer.start()
     try:
