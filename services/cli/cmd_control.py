@@ -374,7 +374,7 @@ def workers(
     """
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
-    url = metrics or _local_control_metrics()
+    url = metrics or stack.control_metrics_url()
     listed = clients.call("control", lambda st: st.ListJobs(control_pb2.JobQuery(), timeout=10))
     slots = read_slots(url, timeout_s=10) if url else None
     health = health_of([s.worker_id for s in slots or ()], listed.jobs, listed.cordoned)
@@ -407,13 +407,6 @@ def _worker_json(h: WorkerHealth, s: Slots | None) -> dict:
         "placeable": not h.cordoned,
         "health": list(h.findings),
     }
-
-
-def _local_control_metrics() -> str:
-    """The local stack's control /metrics URL (its stack file), "" when none is known."""
-    procs = stack.read_stack() or {}
-    control = procs.get("control")
-    return f"http://{stack.HOST}:{control.metrics_port}/metrics" if control and control.metrics_port else ""
 
 
 @app.command()

@@ -161,8 +161,8 @@ def _spawn(procs: dict, port: int, tokens: str) -> DashboardProc:
         "--host", stack.HOST, "--port", str(port), "--control", control.address, "--store", store.address,
         *(["--tokens", tokens] if tokens else ["--token-file", str(token_file())]),
     ]  # fmt: skip
-    if control.metrics_port:
-        args += ["--control-metrics", f"http://{stack.HOST}:{control.metrics_port}/metrics"]
+    if url := stack.control_metrics_url(procs):
+        args += ["--control-metrics", url]
     env = {**os.environ, "SURGE_HOME": str(paths.surge_home()), "PYTHONUNBUFFERED": "1"}
     env.pop(TOKENS_FILE_ENV, None)  # (the stack's recorded file decides, never this shell's variable)
     with open(log, "ab") as out:

@@ -649,6 +649,12 @@ def _remembered_ports() -> dict[str, int]:
         return {}
 
 
+def control_metrics_url(procs: dict[str, ServiceProc] | None = None) -> str:
+    """The local stack's control /metrics URL (its stack file), "" when none is known."""
+    control = (procs if procs is not None else read_stack() or {}).get("control")
+    return f"http://{HOST}:{control.metrics_port}/metrics" if control and control.metrics_port else ""
+
+
 def remembered_port(key: str) -> int:
     """The port ``key`` ("<name>.port") had the last time, if it is free now; else 0."""
     port = _remembered_ports().get(key, 0)
@@ -657,18 +663,20 @@ def remembered_port(key: str) -> int:
 
 def remember_port(key: str, port: int) -> None:
     """Keep ``port`` as ``key``'s for the next time (``ports.json``)."""
-    run = paths.run_dir()
-    ports = {**_remembered_ports(), key: port}
-    tmp = run / f"{PORTS_FILE}.tmp"
-    tmp.write_text(json.dumps(ports, indent=2))
-    tmp.replace(run / PORTS_FILE)
+    _write_run_file(PORTS_FILE, {**_remembered_ports(), key: port})
+
+
+def _write_run_file(file: str, content: object) -> None:
+    """``content`` as JSON in the run directory's ``file``, replaced whole (never read half-written)."""
+    tmp = paths.run_dir() / f"{file}.tmp"
+    tmp.write_text(json.dumps(content, indent=2))
+    tmp.replace(paths.run_dir() / file)
 
 
 def _remember_ports(procs: dict[str, ServiceProc]) -> None:
     """Keep every service's ports for the next `up` (``ports.json``, kept by `down`) and write
     ``prometheus_targets.json``: the stack's /metrics endpoints in Prometheus' file_sd format,
     labelled ``service`` (as deploy/prometheus.yml labels the compose stack's)."""
-    run = paths.run_dir()
     ports = _remembered_ports()
     for name, p in procs.items():
         ports[f"{name}.port"] = p.port
@@ -680,9 +688,7 @@ def _remember_ports(procs: dict[str, ServiceProc]) -> None:
         if p.metrics_port
     ]
     for file, content in ((PORTS_FILE, ports), (TARGETS_FILE, targets)):
-        tmp = run / f"{file}.tmp"
-        tmp.write_text(json.dumps(content, indent=2))
-        tmp.replace(run / file)
+        _write_run_file(file, content)
 
 
 def _wait_healthy(proc: ServiceProc, timeout_s: float) -> None:
