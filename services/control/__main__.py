@@ -298,7 +298,7 @@ def build(
     liveness = None
     if liveness_port is not None:
         try:
-            liveness = LivenessDatagrams(stamps, applier.event, host, liveness_port, liveness_advertise_port)
+            liveness = LivenessDatagrams(stamps, applier.events, host, liveness_port, liveness_advertise_port)
         except OSError as e:  # (the agents beat on their sessions: slower at scale, never wrong)
             structlog.get_logger("control").warning(
                 "liveness datagrams off: the UDP port could not be bound", port=liveness_port, error=str(e)

@@ -67,7 +67,7 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,7 +214,31 @@ class EventApplier:
         """Queue one message of ``session``'s stream on its job's queue, stamped with its
         receipt (a heartbeat's ``received_monotonic``); a duplicate is dropped here
         (``SessionHub.admit``: called in stream order)."""
+        self.events(((session, ev),))
+
+    def events(self, messages: Iterable[tuple[AgentSession, control_pb2.WorkerEvent]]) -> None:
+        """``event`` for each of ``messages`` in order (several sessions' messages, each
+        session's in its stream order), all queued under one take of the lock: a pool thread
+        is woken once per queue they schedule, not once per message (the liveness reader hands
+        over every datagram of one read: services/control/liveness_datagrams.py)."""
         received = time.monotonic()
+        queued: list[tuple[str, AgentSession, control_pb2.WorkerEvent]] = []
+        for session, ev in messages:
+            self._receipt(session, ev, received, queued)
+        if queued:
+            with self._lock:
+                for key, session, ev in queued:
+                    self._queue_message(key, session, ev, received)
+
+    def _receipt(
+        self,
+        session: AgentSession,
+        ev: control_pb2.WorkerEvent,
+        received: float,
+        queued: list[tuple[str, AgentSession, control_pb2.WorkerEvent]],
+    ) -> None:
+        """Stamp ``ev``'s receipt; append what of it goes on a queue to ``queued`` (key,
+        session, message): nothing for a beat the stamps take or a duplicate."""
         agent = None
         stamps = self._stamps
         if ev.HasField("rank_event") and ev.rank_event.HasField("heartbeat"):
@@ -239,12 +263,9 @@ class EventApplier:
             ev.heartbeat.received_monotonic = received
         if agent is not None:  # as if it had come alone, just before: on the node queue, unsequenced
             agent.heartbeat.received_monotonic = received
-            with self._lock:
-                self._queue_message(NODE, session, agent, received)
-        if not self._hub.admit(session, ev):
-            return
-        with self._lock:
-            self._queue_message(job_of(ev), session, ev, received)
+            queued.append((NODE, session, agent))
+        if self._hub.admit(session, ev):
+            queued.append((job_of(ev), session, ev))
 
     def receive_on(self, loop: asyncio.AbstractEventLoop) -> None:
         """The gRPC server's loop, which receives the sessions' messages (the composition

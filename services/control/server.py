@@ -349,8 +349,7 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
             async for ev in requests:
                 count_message("in", event_kind(ev), ev.ByteSize())
                 if ev.HasField("batch"):  # each of its events as if it had come alone, in order
-                    for one in unbatched(session, ev):
-                        self.applier.event(session, one)
+                    self.applier.events((session, one) for one in unbatched(session, ev))
                 else:
                     self.applier.event(session, ev)
         except Exception:  # noqa: BLE001 - the stream broke: same fact as closing it

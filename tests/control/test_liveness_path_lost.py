@@ -43,7 +43,7 @@ class Cluster:
         self.reports = Reports()
         bus.subscribe(Module.L1_ORCHESTRATOR, control_pb2.FaultReport, self.reports.add)
         self.applier = EventApplier(DetectorHub(self.detector), workers=2, stamps=self.stamps)
-        self.liveness = LivenessDatagrams(self.stamps, self.applier.event, "127.0.0.1", 0)
+        self.liveness = LivenessDatagrams(self.stamps, self.applier.events, "127.0.0.1", 0)
         self.liveness.start()
         self.sessions = [AgentSession(f"w{i}") for i in range(AGENTS)]
         self._grants = [self.liveness.grant(s) for s in self.sessions]

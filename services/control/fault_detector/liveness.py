@@ -24,7 +24,7 @@ from services.control.fault_detector.rules import (
     UNHEARD_PERIODS,
     WORKER_LOST,
 )
-from services.control.fault_detector.watch import RankPhase, _Job, _RankWatch
+from services.control.fault_detector.watch import _Job, _RankWatch
 from services.control.slow_ranks import Finding
 
 _log = structlog.get_logger("fault_detector")
@@ -299,7 +299,7 @@ class Liveness:
                 job.step_times.append(msg.step_seconds)
             if (
                 moved
-                and msg.phase == RankPhase.PHASE_EVALUATION
+                and msg.phase == worker_pb2.PHASE_EVALUATION
                 and msg.phase_progress > 0
                 and msg.phase_progress != watch.phase_progress
             ):
@@ -310,7 +310,7 @@ class Liveness:
                 watch.last_progress_unix = now
                 watch.stalled = watch.waiting = watch.deferred = False
             # (waiting for L1-1's verdict, or held by it for inspection: FreezeTraining)
-            if not msg.stepping or msg.phase in (RankPhase.PHASE_FAULT_WAIT, RankPhase.PHASE_FROZEN):
+            if not msg.stepping or msg.phase in (worker_pb2.PHASE_FAULT_WAIT, worker_pb2.PHASE_FROZEN):
                 if watch.stall is not None:
                     watch.stall.cancel()
                 watch.stall, watch.deferred = None, False
@@ -437,7 +437,7 @@ class Liveness:
             # Peers that waited in a collective, without a deadline, while it still looked
             # alive and working: they waited for it. Its consequences, reported after it.
             waiting = [
-                (r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == RankPhase.PHASE_COLLECTIVE
+                (r, w) for r, w in sorted(job.ranks.items()) if w.waiting and w.phase == worker_pb2.PHASE_COLLECTIVE
             ]
             for _, w in waiting:
                 w.waiting, w.stalled = False, True
@@ -555,7 +555,7 @@ class Liveness:
         if state == control_pb2.RankProcessState.STOPPED:
             return job.heartbeat_timeout_s
         timeout = job.running_timeout_s if state == control_pb2.RankProcessState.RUNNING else job.heartbeat_timeout_s
-        if phase == RankPhase.PHASE_PROFILE_EXPORT:
+        if phase == worker_pb2.PHASE_PROFILE_EXPORT:
             return max(timeout, job.profile_export_allowance_s(phase_total))
         return timeout
 

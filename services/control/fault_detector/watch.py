@@ -22,18 +22,19 @@ DEFAULT_CHECKPOINT_STAGING_S = 600.0
 DEFAULT_COMPILE_S = 900.0
 DEFAULT_PROFILE_EXPORT_S = 120.0
 _STEP_TIMES_KEPT = 64  # recent step durations of a job, for the median
-RankPhase = worker_pb2.RankPhase
+RankPhase = worker_pb2.RankPhase  # (its values read as worker_pb2.PHASE_*: a plain module attribute; the
+# enum wrapper's __getattr__ cost ~1 us a look-up, eight a rank beat)
 # Not working on a step (a rank says idle only while not stepping; before its first step
 # after StartTraining it is judged as a training step).
-_RESTING = frozenset({RankPhase.PHASE_IDLE})
+_RESTING = frozenset({worker_pb2.PHASE_IDLE})
 # The phases that wait for batches (a training step's data wait, an evaluation's): a rank whose
 # data relay reconnects (DataServiceUnreachable) has the job's data_outage_seconds on top there.
-_DATA_PHASES = frozenset({RankPhase.PHASE_DATA_WAIT, RankPhase.PHASE_EVALUATION})
+_DATA_PHASES = frozenset({worker_pb2.PHASE_DATA_WAIT, worker_pb2.PHASE_EVALUATION})
 
 
 def phase_name(phase: int) -> str:
     """ "forward", "collective", ... ("" for a rank that does not say)."""
-    if phase == RankPhase.PHASE_UNSPECIFIED or phase not in RankPhase.values():
+    if phase == worker_pb2.PHASE_UNSPECIFIED or phase not in RankPhase.values():
         return ""
     return RankPhase.Name(phase).removeprefix("PHASE_").lower()
 
@@ -142,17 +143,17 @@ class _Job:
         return budget + self.data_outage_s if data_outage and phase in _DATA_PHASES else budget
 
     def _phase_budget_s(self, phase: int, total: int) -> float:
-        if phase == RankPhase.PHASE_EVALUATION:
+        if phase == worker_pb2.PHASE_EVALUATION:
             # Scales with the batch count; before an evaluation was seen, a training step
             # (forward, backward and update) stands in for an evaluation batch (forward only).
             times = self.eval_batch_times or self.step_times
             median = statistics.median(times) if times else 0.0
             batches = total or self.eval_batches or 1
             return (self.eval_s or self.stall_min_s) + self.stall_step_factor * median * batches
-        if phase == RankPhase.PHASE_CHECKPOINT_STAGING:
+        if phase == worker_pb2.PHASE_CHECKPOINT_STAGING:
             return max(self.stall_min_s, self.staging_s)
-        if phase == RankPhase.PHASE_COMPILE:
+        if phase == worker_pb2.PHASE_COMPILE:
             return max(self.stall_min_s, self.compile_s)
-        if phase == RankPhase.PHASE_PROFILE_EXPORT:
+        if phase == worker_pb2.PHASE_PROFILE_EXPORT:
             return self.profile_export_allowance_s(total)
         return self.stall_deadline_s()
