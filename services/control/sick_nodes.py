@@ -33,7 +33,7 @@ not counted again: it starts from nothing when an operator releases it.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -121,7 +121,11 @@ def sick(
     """Whether ``worker_id`` is sick at ``now`` given the faults graded so far (None: not),
     counting only its faults after ``since`` (when it was last named)."""
     recent = [f for f in faults if f.at > now - policy.window_seconds]
-    mine = [f for f in counted(recent) if f.worker_id == worker_id and f.at > since]
+    return _named([f for f in counted(recent) if f.worker_id == worker_id and f.at > since], worker_id, policy)
+
+
+def _named(mine: list[NodeFault], worker_id: str, policy: SickNodePolicy) -> SickNode | None:
+    """``worker_id`` named sick for ``mine`` (its faults that count, in the window), or None."""
     deaths = {f.death for f in mine}
     launches = {f.launch for f in mine}
     if len(deaths) < policy.faults or len(launches) < policy.incidents:
@@ -136,25 +140,102 @@ def sick(
     )
 
 
+class _Incident:
+    """The window's faults of one (job, incident), indexed for ``counted``'s rule: by launch
+    (generation, 0: none stated), each launch's nodes per kind, and by node; kept as faults
+    come and leave the window (both in time order), so that a look-up costs the node's own
+    faults, not the incident's."""
+
+    def __init__(self) -> None:
+        self.by_gen: dict[int, deque[tuple[int, NodeFault]]] = {}  # (arrival, fault), in order
+        self.kinds: dict[int, dict[str, Counter[str]]] = {}  # generation -> kind -> node -> faults
+        self.of_node: dict[str, deque[NodeFault]] = {}
+
+    def add(self, n: int, fault: NodeFault) -> None:
+        self.by_gen.setdefault(fault.generation, deque()).append((n, fault))
+        self.kinds.setdefault(fault.generation, {}).setdefault(fault.kind, Counter())[fault.worker_id] += 1
+        self.of_node.setdefault(fault.worker_id, deque()).append(fault)
+
+    def drop_oldest(self, fault: NodeFault) -> bool:
+        """``fault`` (the oldest of the window, so each index's first) left it; True: none is left."""
+        gen, node = fault.generation, fault.worker_id
+        self.by_gen[gen].popleft()
+        if not self.by_gen[gen]:
+            del self.by_gen[gen]
+        nodes = self.kinds[gen][fault.kind]
+        nodes[node] -= 1
+        if not nodes[node]:
+            del nodes[node]
+            if not nodes:
+                del self.kinds[gen][fault.kind]
+        self.of_node[node].popleft()
+        if not self.of_node[node]:
+            del self.of_node[node]
+        return not self.by_gen
+
+    def counted(self, node: str) -> list[NodeFault]:
+        """``counted``'s rule for ``node``'s faults here: those of a launch whose first fault
+        (among its own and the incident's that name no launch) was on ``node``, of a kind that
+        launch had on no other node."""
+        out = []
+        for fault in self.of_node.get(node, ()):
+            gen = fault.generation
+            pool = [self.by_gen[gen][0]] + ([self.by_gen[0][0]] if gen and 0 in self.by_gen else [])
+            if min(pool, key=lambda first: first[0])[1].worker_id != node:
+                continue  # (the launch's cause was on another node: this is a consequence)
+            kinds = [self.kinds[gen][fault.kind]] + (
+                [self.kinds[0].get(fault.kind, {})] if gen and 0 in self.kinds else []
+            )
+            if all(not nodes or (len(nodes) == 1 and node in nodes) for nodes in kinds):  # (``node`` alone, or none)
+                out.append(fault)
+        return out
+
+
 class SickNodes:
     """The faults of the window, kept by L1-3 (under its lock): :meth:`record` each graded
-    fault of a node class, and it answers the node when the fault makes it sick."""
+    fault of a node class, and it answers the node when the fault makes it sick (``sick``'s
+    rule, kept incrementally: a record costs the node's own faults in the window, not every
+    fault of it; one launch of 8,192 ranks lost at once was O(n^2), ~11 s of L1-3's lock)."""
 
     def __init__(self, policy: SickNodePolicy | None = None):
         self.policy = policy or SickNodePolicy()
         self._faults: deque[NodeFault] = deque()
+        self._incidents: dict[tuple[str, int], _Incident] = {}
+        self._of_node: dict[str, Counter[tuple[str, int]]] = {}  # node -> its incidents -> its faults there
         self._named: dict[str, float] = {}  # worker -> when it was last named
+        self._arrivals = 0
 
     def record(self, fault: NodeFault) -> SickNode | None:
         if self.policy.faults <= 0:
             return None  # (quarantine off: nothing kept)
         while self._faults and self._faults[0].at <= fault.at - self.policy.window_seconds:
-            self._faults.popleft()  # out of the window for good (faults come in time order)
+            self._forget(self._faults.popleft())  # out of the window for good (faults come in time order)
         self._faults.append(fault)
+        key = (fault.job_id, fault.incident)
+        self._arrivals += 1
+        self._incidents.setdefault(key, _Incident()).add(self._arrivals, fault)
+        self._of_node.setdefault(fault.worker_id, Counter())[key] += 1
         since = self._named.get(fault.worker_id, float("-inf"))
-        found = sick(self._faults, fault.worker_id, fault.at, self.policy, since)
+        mine = [
+            f
+            for incident in self._of_node[fault.worker_id]
+            for f in self._incidents[incident].counted(fault.worker_id)
+            if f.at > since
+        ]
+        found = _named(mine, fault.worker_id, self.policy)
         if found is not None:
             # Named once: it starts from nothing (its faults stay, still each incident's
             # cause, so that the consequences on other nodes are never counted instead).
             self._named[fault.worker_id] = fault.at
         return found
+
+    def _forget(self, fault: NodeFault) -> None:
+        key, node = (fault.job_id, fault.incident), fault.worker_id
+        if self._incidents[key].drop_oldest(fault):
+            del self._incidents[key]
+        mine = self._of_node[node]
+        mine[key] -= 1
+        if not mine[key]:
+            del mine[key]
+            if not mine:
+                del self._of_node[node]

@@ -6,6 +6,7 @@ operator's uncordon releases it."""
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -307,3 +308,38 @@ def test_a_node_lost_with_8_ranks_of_one_launch_counts_once_and_a_later_launch_l
         )
     finally:
         stop_plane(control)
+
+
+def test_the_kept_window_names_exactly_what_the_rule_over_the_whole_window_names():
+    """SickNodes keeps the rule incrementally (a record costs the node's own faults: one launch
+    of 8,192 ranks lost at once was O(n^2) under L1-3's lock); on random fault histories it
+    names the same nodes, with the same counts, as ``sick`` over every fault of the window."""
+    rng = random.Random(29)
+    policy = SickNodePolicy(window_seconds=50.0, faults=3, incidents=2)
+    kinds = (KILLED, ERROR, "rank_oom", "rank_silent")
+    for _history in range(60):
+        nodes, window, named_at, at = SickNodes(policy), [], {}, 0.0
+        for _ in range(rng.randint(1, 120)):
+            at += rng.choice((0.0, 0.5, 3.0, 20.0))
+            fault = f(
+                rng.choice(("wa", "wb", "wc")), at, job=rng.choice("jk"), incident=rng.randint(0, 3),
+                kind=rng.choice(kinds), gen=rng.choice((0, 0, 1, 2, 3)),
+            )  # fmt: skip
+            window = [x for x in window if x.at > at - policy.window_seconds] + [fault]
+            since = named_at.get(fault.worker_id, float("-inf"))
+            expected = sick(window, fault.worker_id, now=at, policy=policy, since=since)
+            assert nodes.record(fault) == expected, (window, fault)
+            if expected is not None:
+                named_at[fault.worker_id] = at
+
+
+def test_one_launch_of_thousands_of_ranks_lost_at_once_is_counted_against_no_node():
+    # 8,192 ranks of one launch on 1,024 nodes, killed alike (each record looks up its node's
+    # own faults): the launch had that kind on every node, the job's doing, no node's.
+    nodes = SickNodes(POLICY)
+    lost = [f(f"w{i // 8}", 1000.0 + i * 1e-4, incident=1, gen=1) for i in range(8192)]
+    assert [nodes.record(x) for x in lost] == [None] * len(lost)
+    assert counted(lost) == []
+    # Then w0's own deaths, a launch each, its kind on no other node: named at the third.
+    again = [f("w0", 2000.0 + g, incident=2 + g, gen=2 + g, kind=ERROR) for g in range(3)]
+    assert [nodes.record(x) is not None for x in again] == [False, False, True]
