@@ -86,7 +86,7 @@ def test_bounded_rank_logs_and_metric_files_are_read_whole_and_a_fast_rank_is_na
     # a loss, not a delay: each node's agent has its own stream, rank 1's records reached the
     # store up to ~26 steps after rank 0's of the same step, rank 0's newest records were
     # rotated out first and thinned away; the compaction keeps each rank's newest step now,
-    # tests/store/test_metric_files.py. Measured under load 10-20: rank 0's step 40 was in the
+    # tests/store/test_metric_files.py. Under load 5-19, 45 runs: rank 0's step 40 was in the
     # file before this test saw the job's end, every run.)
     def records() -> dict[str, list[tuple[int, int]]]:
         """Each metric file's step records, (rank, step), in the file's order."""
