@@ -6,11 +6,21 @@ into the job's history, ``.jsonl.<backups + 1>`` (the oldest name, so every read
 the files oldest first, `surgectl plot` included, reads it first).
 
 Compaction thins, it never averages: the history keeps the step records of the first step
-and of every step divisible by a stride (every rank's) and every evaluation record, the stride doubling until
-the history fits ``max_bytes``. A month-long job keeps its whole curve, at a resolution that halves as it
-grows, and its newest ``backups`` files in full. On disk per job: at most
-``(backups + 2) x max_bytes`` (plus a file being compacted; unless its evaluation records
-alone outgrow ``max_bytes``, which are never thinned).
+and of every step divisible by a stride (every rank's), each rank's newest step record in it, and
+every evaluation record, the stride doubling until the history fits ``max_bytes``. A month-long
+job keeps its whole curve, at a resolution that halves as it grows, and its newest ``backups``
+files in full. On disk per job: at most ``(backups + 2) x max_bytes`` (plus a file being
+compacted; unless its evaluation records and one step record per rank alone outgrow
+``max_bytes``, which are never thinned).
+
+Why each rank's newest step: the files are in arrival order, not step order. Each node's agent
+sends its ranks' records on its own stream (services/worker/metric_stream.py), so one rank's
+records can reach the store whole steps after another's: then a rank's newest steps are written
+before the other rank's older ones, are rotated out first, and a stride thinned them all away,
+the end of that rank's curve with them (ci8, tests/faults/test_footprint_live.py: rank 0's
+steps 33-40 written, then rank 1's steps 22-40 in one batch, its agent's linger flushed at its
+loop's end; the history kept rank 0's steps 1 and 32 of 40, and `surgectl plot` drew "2 of
+steps 1-32"). Its newest step kept, a rank's curve ends where its records end, at any stride.
 
 Settings (store environment, README "Environment"): ``SURGE_STORE_METRICS_MAX_BYTES``
 (default 128 MiB; 0: never rotated), ``SURGE_STORE_METRICS_BACKUPS`` (default 3).
@@ -91,33 +101,45 @@ def rotate(path: Path, bound: MetricFileBound) -> Path | None:
 
 def compact(path: Path, pending: Path, bound: MetricFileBound) -> int:
     """Merge ``pending`` (a file :func:`rotate` returned) into ``path``'s history, thinned to
-    fit ``bound.max_bytes``; the history is replaced atomically, then ``pending`` removed.
+    fit ``bound.max_bytes`` (each rank's newest step record kept whatever the stride: the
+    module docstring); the history is replaced atomically, then ``pending`` removed.
     Returns the stride kept (1: every record). Two passes over the files, holding only the
-    bytes per step in memory (not the records): the history and a pending file are
-    ``max_bytes`` each."""
+    bytes per step (and per rank, of its newest step) in memory, not the records: the history
+    and a pending file are ``max_bytes`` each."""
     history = history_path(path, bound)
     sources = [f for f in (history, pending) if f.exists()]
     per_step: dict[int, int] = {}  # step -> bytes of its step records
+    newest: dict[int, tuple[int, int]] = {}  # rank -> (its newest step, bytes of its records of it)
     always = 0  # bytes kept whatever the stride (evaluations, lines that are no step record)
     for line in _lines(sources):
-        step = _step(line)
-        if step is None:
+        at = _step(line)
+        if at is None:
             always += len(line)
-        else:
-            per_step[step] = per_step.get(step, 0) + len(line)
+            continue
+        step, rank = at
+        per_step[step] = per_step.get(step, 0) + len(line)
+        last, size_of = newest.get(rank, (step, 0))
+        if step > last:
+            newest[rank] = (step, len(line))
+        elif step == last:
+            newest[rank] = (step, size_of + len(line))
     first = min(per_step, default=None)  # (the curve's start: kept)
     stride = 1
 
+    def kept(step: int, k: int) -> bool:
+        return step % k == 0 or step == first
+
     def size(k: int) -> int:
-        return always + sum(n for step, n in per_step.items() if step % k == 0 or step == first)
+        ends = sum(n for step, n in newest.values() if not kept(step, k))
+        return always + ends + sum(n for step, n in per_step.items() if kept(step, k))
 
     while size(stride) > bound.max_bytes > 0 and stride < 1 << 40:
         stride *= 2
     tmp = history.with_name(history.name + ".tmp")
     with open(tmp, "wb") as out:
         for line in _lines(sources):
-            step = _step(line)
-            if step is None or step % stride == 0 or step == first:
+            at = _step(line)
+            if at is None or kept(at[0], stride) or newest[at[1]][0] == at[0]:
                 out.write(line)
     os.replace(tmp, history)
     pending.unlink(missing_ok=True)
@@ -136,11 +158,12 @@ def _lines(files: list[Path]):
             continue
 
 
-def _step(line: bytes) -> int | None:
-    """The step of a step record (None: an evaluation, or a line that is no record: kept)."""
+def _step(line: bytes) -> tuple[int, int] | None:
+    """The step and rank of a step record (None: an evaluation, or a line that is no record:
+    kept)."""
     try:
         record = json.loads(line)
-        return int(record["step"]) if record.get("type") == "step" else None
+        return (int(record["step"]), int(record.get("rank") or 0)) if record.get("type") == "step" else None
     except (ValueError, TypeError, AttributeError, KeyError):
         return None
 

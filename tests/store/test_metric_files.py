@@ -48,14 +48,21 @@ def test_the_metrics_file_rotates_at_its_bound_and_the_rotated_out_file_is_thinn
     assert sum(f.stat().st_size for f in files) <= (bound.backups + 2) * bound.max_bytes + 4 * 600
     assert not list(path.parent.glob("*.pending-*"))  # every rotated-out file compacted
     history = [json.loads(line) for line in files[0].read_text().splitlines()]
-    steps = sorted({r["step"] for r in history if r["type"] == "step"})
+    newest = {r["rank"]: r["step"] for r in history if r["type"] == "step"}  # each rank's newest step: kept
+    whole_from = json.loads(files[1].read_text().splitlines()[0])["step"]  # (the oldest file kept whole)
+    assert set(newest.values()) <= {whole_from - 1, whole_from}, (newest, whole_from)  # the history ends there
+    thinned = [r for r in history if r["type"] == "step" and r["step"] != newest[r["rank"]]]
+    steps = sorted({r["step"] for r in thinned})
     assert steps[0] == 1  # the run's first step is kept
     steps = steps[1:]
     gaps = [b - a for a, b in zip(steps, steps[1:], strict=False)]
-    # Thinned: every k-th step, k a power of two, coarser the older (each compaction re-thins).
-    assert all(g > 1 and g & (g - 1) == 0 for g in gaps) and gaps == sorted(gaps, reverse=True)
+    # Thinned: every k-th step, k a power of two, coarser the older (each compaction re-thins:
+    # a stride at one compaction may be coarser than the next's, a gap then no power of two).
+    finest = min(gaps)
+    assert finest > 1 and finest & (finest - 1) == 0 and all(s % finest == 0 for s in steps), steps
+    assert gaps == sorted(gaps, reverse=True), steps
     stride = gaps[0]
-    assert all({r["rank"] for r in history if r["type"] == "step" and r["step"] == s} == {0, 1} for s in steps)
+    assert all({r["rank"] for r in thinned if r["step"] == s} == {0, 1} for s in steps)
     assert {r["step"] for r in history if r["type"] == "eval"} == set(range(100, steps[-1] + 1, 100))  # evals kept
     # `surgectl plot` reads the history, the rotated files and the current one: the whole run,
     # its start thinned, its newest steps every one.
@@ -92,3 +99,39 @@ def test_with_no_backups_the_history_alone_holds_the_past(tmp_path):
     assert [f.name for f in rotated_paths(path)] == [f"{JOB}.jsonl.1", f"{JOB}.jsonl"]
     h = observe.history_from_jsonl(path)
     assert h.steps[-1] == 1000 and h.steps == sorted(h.steps) and len(h.steps) < 1000
+
+
+def test_a_rank_whose_records_come_after_another_ranks_newer_ones_keeps_its_last_step(tmp_path):
+    """ci8 (test_footprint_live, 4 KiB files, 1 backup): each node's agent sends its ranks'
+    records on its own stream, so rank 1's reached the store ~12 steps behind rank 0's; rank
+    0's steps 33-40 were written before rank 1's 29-40, rotated out first and thinned away at
+    a stride of 32 (the history kept rank 0's steps 1 and 32; `plot` drew "2 of steps 1-32").
+    Each rank's newest step record survives every compaction."""
+    bound = MetricFileBound(max_bytes=4096, backups=1)
+    m = logger(tmp_path, bound)
+    lag = 12  # rank 1's records arrive this many steps after rank 0's of the same step
+    try:
+        for n in range(1, 41):
+            m.on_step_completed(live_sized(step(n)))
+            if n > lag:
+                m.on_step_completed(live_sized(step(n - lag, rank=1)))
+        for n in range(41 - lag, 41):
+            m.on_step_completed(live_sized(step(n, rank=1)))
+    finally:
+        m.close()
+    path = tmp_path / "metrics" / f"{JOB}.jsonl"
+    files = rotated_paths(path)
+    seen = {f.name: [(r["rank"], r["step"]) for r in map(json.loads, f.read_text().splitlines())] for f in files}
+    for rank in (0, 1):
+        assert 40 in {s for f in seen.values() for r, s in f if r == rank}, seen  # (old code: rank 0's 33-40 thinned)
+        h = observe.history_from_jsonl(path, rank=rank)
+        assert (h.steps[0], h.steps[-1]) == (1, 40) and h.steps == sorted(h.steps), (rank, h.steps, seen)
+    assert sum(f.stat().st_size for f in files) <= (bound.backups + 2) * bound.max_bytes + 4 * 800  # still bounded
+
+
+def live_sized(msg: engine_pb2.StepCompleted) -> engine_pb2.StepCompleted:
+    """A step record the size of a real rank's (~700 bytes a line: its timings set)."""
+    msg.grad_norm, msg.learning_rate, msg.tokens, msg.epoch = 1.25, 3e-4, 4096 * msg.step, 1
+    msg.data_wait_seconds, msg.forward_seconds, msg.backward_seconds = 0.0012, 0.0345, 0.0678
+    msg.reduction_seconds, msg.optimizer_seconds, msg.step_seconds = 0.0123, 0.0045, 0.1234
+    return msg
