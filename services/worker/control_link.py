@@ -329,11 +329,8 @@ class ControlSession:
         return self._open.is_set()
 
     def close(self, drain_seconds: float = 1.0) -> None:
-        """Give queued events ``drain_seconds`` to go up, then end the session for good. With
-        no session open (control gone: `surgectl down` stops it first), nothing can go up and
-        none is waited for (each agent's stop waited the whole ``drain_seconds`` for nothing)."""
-        if self._open.is_set():
-            self._outbox.wait_empty(drain_seconds)
+        """Give queued events ``drain_seconds`` to go up, then end the session for good."""
+        self._outbox.wait_empty(drain_seconds)
         self._stop.set()
         with self._lock:
             if self._ready is not None:
