@@ -17,8 +17,9 @@ cli-two-workers shares (tests/conftest.py STACK_GROUPS, tests/shared_stacks.py).
 PauseTraining reaches rank 1 of this module's jobs five seconds late (``SURGE_COMMAND_DELAY``,
 a test-only delay on the rank's session, ``job=``: the other modules' jobs on the shared stack
 pause at once, where they paused 5 s late): every drain's pause is in flight for at least
-that long, the window in which the test's Ctrl-C lands. Every process is killed by PID when the group ends (running_stack); this
-module leaves the stack's services killed, the group's turn starts them again.
+that long, the window in which the test's Ctrl-C lands. Every process is killed by PID when
+the group ends (running_stack); this module leaves the stack's services killed, the group's
+turn starts them again.
 """
 
 from __future__ import annotations
