@@ -378,7 +378,7 @@ class Session:
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
         self._terminal_sent = threading.Event()
         self._reader: threading.Thread | None = None
-        self._delay = CommandDelay.from_env(rank)  # test-only (SURGE_COMMAND_DELAY); none by default
+        self._delay = CommandDelay.from_env(rank, job_id)  # test-only (SURGE_COMMAND_DELAY); none by default
         self._metrics_acks: Callable[[store_pb2.MetricsAck], None] | None = None
         # What the heartbeat states, from the events and commands this relay carries.
         self._progress_lock = threading.Lock()

@@ -14,11 +14,12 @@ cli-two-workers shares (tests/conftest.py STACK_GROUPS, tests/shared_stacks.py).
   again; after a kill -9 of every service, `status` says `surgectl up` (was: `surgectl restart
   control`; the last test of the module: the stack stays down).
 
-PauseTraining reaches rank 1 five seconds late (``SURGE_COMMAND_DELAY``, a test-only delay on
-the rank's session; for every job of the shared stack: the other modules' pauses are 5 s
-longer): every drain's pause is in flight for at least that long, the window in which the
-test's Ctrl-C lands. Every process is killed by PID when the group ends (running_stack); this
-module leaves the stack's services killed, the group's turn starts them again.
+PauseTraining reaches rank 1 of this module's jobs five seconds late (``SURGE_COMMAND_DELAY``,
+a test-only delay on the rank's session, ``job=``: the other modules' jobs on the shared stack
+pause at once, where they paused 5 s late): every drain's pause is in flight for at least
+that long, the window in which the test's Ctrl-C lands. Every process is killed by PID when
+the group ends (running_stack); this module leaves the stack's services killed, the group's
+turn starts them again.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 JobState, JobOutcome = control_pb2.JobState, control_pb2.JobOutcome
 STEPS = 100_000  # (never reached: each job is stopped by the test once it has shown what it must)
-STACK_ENV = {"SURGE_COMMAND_DELAY": "PauseTraining:5:rank=1"}
+STACK_ENV = {"SURGE_COMMAND_DELAY": "PauseTraining:5:rank=1:job=tintr,PauseTraining:5:rank=1:job=tforce"}
 
 
 @pytest.fixture(scope="module")

@@ -113,6 +113,12 @@ def test_the_delay_hook_is_off_unless_set_and_parses_its_entries(monkeypatch):
         "StopTraining": 5.0,
     }
     assert parse_delays("RevokeStandingOrder:2", 0) == {"RevokeStandingOrder": 2.0}
+    # ``job``: that job's ranks only (its name: the id less its suffix); none: every job's.
+    scoped = "PauseTraining:5:rank=1:job=tintr,StopTraining:2:rank=1"
+    assert parse_delays(scoped, 1, "tintr-0a1b2c") == {"PauseTraining": 5.0, "StopTraining": 2.0}
+    assert (
+        parse_delays(scoped, 1, "tintr2-0a1b2c") == parse_delays(scoped, 1, "crestart-0a1b2c") == {"StopTraining": 2.0}
+    )
     with pytest.raises(ValueError, match="SURGE_COMMAND_DELAY: 'Pause:x'"):
         parse_delays("Pause:x", 0)
 

@@ -57,7 +57,8 @@ def stack(tmp_path_factory):
         ("json", "email"),
         ("mdp", "mref", "mpeer", "mcorrupt"),
         # The save at step 10 waits 60 s (once): the kill after step 5's version always
-        # precedes the next version, however fast the steps run.
+        # precedes the next version, however fast the steps run. Disarmed once the killed
+        # rank's relaunch starts (disarm_slow_save): a relaunch that meets it waits for nothing.
         env={
             "SURGE_MEMORY_COPY_CORRUPT": "mcorrupt",
             "SURGE_FAULT_INJECT": "mdp:slow_save@10:seconds=60,mpeer:slow_save@10:seconds=60,"
@@ -105,6 +106,27 @@ def replicated(stack, job: str, step: int, timeout: float = 30.0, rank: int = 0)
     raise AssertionError(f"{job}: no replica of step {step} stored within {timeout:.0f} s")
 
 
+def disarm_slow_save(stack, job: str, rank: int = 0, timeout: float = 120.0) -> None:
+    """Mark ``job``'s ``slow_save@10`` of ``rank`` fired (its marker file) once the rank's
+    relaunch has started (a second ``rank_composed`` in its log: on the same node the agent
+    launches it only after the older process of that rank ended; on another node, the older
+    one went with its killed agent). The injection holds step 10's version back
+    only until the kill; a relaunch that had not fired it (a loaded host: the rank was not at
+    step 10 when killed) would otherwise sit out its 60 s at step 10 for nothing. Written after
+    the older incarnation is gone, it cannot let that one's version 10 through. If the
+    relaunch is not seen within ``timeout``, the test goes on armed (only slower)."""
+    log = stack.home / "run" / "logs" / f"{job}.rank{rank}.log"
+    deadline = time.monotonic() + timeout
+    while len(records(log, "rank_composed")) < 2:
+        if time.monotonic() > deadline:
+            print(f"{job}: rank {rank}'s relaunch not seen in {timeout:.0f} s; slow_save@10 left armed")
+            return
+        time.sleep(0.05)
+    marker = stack.home / "run" / "faults" / f"{job}.rank{rank}.slow_save@10"  # (FaultInjector._fire's name)
+    marker.parent.mkdir(parents=True, exist_ok=True)
+    marker.touch()
+
+
 def run_killing_its_worker(stack, name: str) -> tuple[str, dict, list[dict]]:
     """Submit ``name``; once step 5's version is committed and its replica stored, SIGKILL the
     node agent running the rank (the rank ends with it); follow the job to its end. Returns
@@ -120,6 +142,7 @@ def run_killing_its_worker(stack, name: str) -> tuple[str, dict, list[dict]]:
     assert holder != worker
     services = json.loads((stack.home / "run" / "stack.json").read_text())["services"]
     os.kill(services[worker]["pid"], signal.SIGKILL)
+    disarm_slow_save(stack, job)
     events = stack.events(job)
     finished(events)
     assert any(
@@ -177,6 +200,7 @@ def test_a_killed_dp_2_rank_restores_from_its_nodes_memory_and_its_peers_through
     replicated(stack, job, 5, rank=1)
     for pid in stack.rank_pids(job, 1):
         os.kill(pid, signal.SIGKILL)
+    disarm_slow_save(stack, job)
     events = stack.events(job)
     finished(events)
     assert any(m.startswith("restart_ranks after rank_exit of rank 1") for m in of_type(events, "decision"))

@@ -45,7 +45,7 @@ class SimSession:
         self._job_id, self._rank = job_id, rank
         self.process = f"simulated rank {rank} of job {job_id}"
         self.commands: queue.Queue = queue.Queue()
-        self._delay = CommandDelay.from_env(rank)  # test-only (SURGE_COMMAND_DELAY); none by default
+        self._delay = CommandDelay.from_env(rank, job_id)  # test-only (SURGE_COMMAND_DELAY); none by default
         self._out: queue.Queue = queue.Queue()
         self._channel = channel(address, module=Module.L2_TRAINING_LOOP)  # a rank speaks as its loop
         self._call = worker_pb2_grpc.WorkerServiceStub(self._channel).RankSession(self._requests())
