@@ -34,6 +34,9 @@ from typing import Any
 from services.contract import control_pb2, worker_pb2
 
 PROGRESS_BYTES = 1024
+# The largest datagram an agent sends (the IPv6 minimum MTU's UDP payload, above): what control
+# reads a datagram into must hold it whole (512 bytes cut the datagram of every node of 7 ranks or more).
+DATAGRAM_BYTES = 1232
 # The phases of the ordinary training loop: a beat in one of them moves only the rank's
 # progress (L1-3's deadline for them is the step's). Any other phase rides the session.
 ORDINARY_PHASES = frozenset(

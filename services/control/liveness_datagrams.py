@@ -61,7 +61,7 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from services.common.liveness_mac import liveness_mac
-from services.common.liveness_progress import unpack
+from services.common.liveness_progress import DATAGRAM_BYTES, unpack
 from services.contract import control_pb2
 from services.control.beat_stamps import BeatStamps
 from services.control.datagram_reads import DatagramReads
@@ -105,6 +105,10 @@ SWEEP_S = 0.25  # how often the reader looks for unheard sessions (and the longe
 # them all: a beat waits at most this (its deadline is seconds), the reader wakes ~1/COALESCE_S
 # times a second however many agents beat (10,000 at 1 Hz: ~50 datagrams a read, well in RCVBUF).
 COALESCE_S = 0.005
+# A read's buffer: above the largest datagram an agent sends, so none is cut (a cut one does not
+# parse: read into 512 bytes, every datagram of a node of 8 ranks, ~650, was dropped as malformed:
+# its agent unheard, told to beat on its session; an agent declared lost in the 1,024 x 8 bench).
+READ_BYTES = 2 * DATAGRAM_BYTES
 # The socket's receive buffer: a second of 10,000 agents' datagrams (~1 KiB of kernel memory
 # each) while the reader waits for the GIL; capped by net.core.rmem_max (4 MiB here, so ~4,000).
 RCVBUF_BYTES = 16 << 20
@@ -219,10 +223,10 @@ class LivenessDatagrams:
         recv, sock, last_sweep = self._sock.recv, self._sock, time.monotonic()
         # What queued behind the datagram a recv waited for, read in one call that keeps the GIL
         # (datagram_reads.py: a recv per datagram waited for the GIL per datagram).
-        reads = DatagramReads() if DatagramReads is not None else None
+        reads = DatagramReads(size=READ_BYTES) if DatagramReads is not None else None
         while not self._stopping.is_set():
             try:
-                data = recv(512)
+                data = recv(READ_BYTES)
             except TimeoutError:
                 data = None
             except OSError:  # closed under us: the path is gone; every session told to beat on its own

@@ -356,3 +356,48 @@ def test_the_datagrams_of_one_read_go_to_the_applier_in_one_hand_over_each_sessi
     finally:
         sender.close()
         liveness.close()
+
+
+@pytest.mark.parametrize("ranks", [8, 12])
+def test_a_datagram_carrying_a_whole_nodes_ranks_is_read_whole_never_cut(ranks):
+    # Control read each datagram into 512 bytes: a node's datagram with 8 ranks' beats (~650
+    # bytes) was cut, failed to parse and was dropped as malformed, every second, for every
+    # such node: its agent was unheard and told to beat on its session (1,024 x 8 bench: 28,108
+    # dropped, an agent declared lost at the job's start).
+    got: list = []
+    arrived = threading.Event()
+
+    def apply(beats):
+        got.extend(beats)
+        if sum(ev.HasField("rank_beats") for _, ev in got) >= 2:
+            arrived.set()
+
+    liveness = LivenessDatagrams(BeatStamps(), apply, "127.0.0.1", 0)
+    sender = None
+    try:
+        sender = LivenessSender(liveness.grant(FakeSession("w")), "127.0.0.1")
+        beats = [
+            worker_pb2.RankEvent(
+                job_id=JOB, rank=r, generation=1,
+                heartbeat=worker_pb2.RankHeartbeat(
+                    job_id=JOB, rank=r, step=123456, stepping=True, interval_seconds=1.0, phase=worker_pb2.PHASE_FORWARD,
+                    phase_seconds=0.25, step_seconds=0.9, forward_compute_seconds=0.3, backward_compute_seconds=0.5,
+                    unix_time=time.time(),
+                ),
+            )
+            for r in range(ranks)
+        ]  # fmt: skip
+        packed, unfit = pack(JOB, beats)
+        assert not unfit and len(packed) > 512
+        malformed = ld._DROPPED["malformed"]._value.get()
+        sender.send(1.0, time.time(), packed)  # (read by the reader's first, blocking read)
+        sender.send(1.0, time.time(), packed)  # (read behind it, in the batch)
+        liveness.start()
+        assert arrived.wait(10), (got, ld._DROPPED["malformed"]._value.get() - malformed)
+        assert ld._DROPPED["malformed"]._value.get() == malformed
+        progress = [ev.rank_beats for _, ev in got if ev.HasField("rank_beats")]
+        assert [[b.rank for b in batch.beats] for batch in progress] == [list(range(ranks))] * 2
+    finally:
+        if sender is not None:
+            sender.close()
+        liveness.close()
