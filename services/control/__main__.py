@@ -442,7 +442,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--liveness-datagrams",
         action="store_true",
-        default=env.get("SURGE_CONTROL_LIVENESS_DATAGRAMS") == "on",
+        default=None,
         help="read the node agents' liveness beats as UDP datagrams (env SURGE_CONTROL_LIVENESS_DATAGRAMS=on)",
     )
     # Teams' quotas (issue 30; services/control/scheduler/quotas.py): read at start; a team
@@ -465,6 +465,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if args.webhook and not re.match(WEBHOOK_PATTERN, args.webhook):
         p.error(f"--webhook (or SURGE_CONTROL_WEBHOOK): expected an http:// or https:// URL, got {args.webhook!r}")
+    if args.liveness_datagrams is None:  # (the flag not given: the variable, on or off, nothing else)
+        raw = env.get("SURGE_CONTROL_LIVENESS_DATAGRAMS", "")
+        datagrams = raw.strip().lower()
+        if datagrams not in ("on", "off", ""):  # (was: anything but "on" silently meant off, "ON" included)
+            p.error(f"SURGE_CONTROL_LIVENESS_DATAGRAMS: expected on or off, got {raw!r}")
+        args.liveness_datagrams = datagrams == "on"
     if args.max_sessions < 1:
         p.error(f"--max-sessions must be >= 1, got {args.max_sessions}")
     if args.sick_node_faults < 0:

@@ -259,3 +259,24 @@ def test_a_forged_replayed_or_older_session_datagram_is_dropped_and_counted(tmp_
             if s is not None:
                 s.close()
         control.end()
+
+
+@pytest.mark.parametrize(("value", "on"), [("on", True), ("ON", True), (" Off ", False), ("", False)])
+def test_the_datagrams_variable_is_on_or_off_whatever_its_case(monkeypatch, value, on):
+    from services.control.__main__ import _parse_args
+
+    monkeypatch.setenv("SURGE_CONTROL_LIVENESS_DATAGRAMS", value)
+    base = ["--port", "1", "--data", "a:1", "--store", "b:1"]
+    assert _parse_args(base).liveness_datagrams is on
+    assert _parse_args([*base, "--liveness-datagrams"]).liveness_datagrams is True
+
+
+def test_a_datagrams_variable_neither_on_nor_off_is_one_line_and_exit_2():
+    # (was: anything but "on" meant off without a word: `=1`, `=true` left datagrams off)
+    env = dict(os.environ, SURGE_CONTROL_LIVENESS_DATAGRAMS="true")
+    argv = [sys.executable, "-m", "services.control", "--port", "1", "--data", "a:1", "--store", "b:1"]
+    r = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert (
+        r.stderr.strip().splitlines()[-1].endswith("SURGE_CONTROL_LIVENESS_DATAGRAMS: expected on or off, got 'true'")
+    )
