@@ -368,12 +368,15 @@ def workers(
     (cordoned, quarantined or lost, with the reason; ranks on it named slow; data-plane links to
     it named degraded or down). The worker ids are what `drain` and `uncordon` take. Slots come
     from control's /metrics (the local stack's, or --metrics URL); when it cannot be read the
-    workers control's job list names are still listed, their slots shown as "?".
+    workers control's job list names (cordoned, quarantined, lost, slow ranks, links) are still
+    listed, their slots shown as "?".
 
     Example: surgectl workers; surgectl workers -o json
     """
     if output not in ("table", "json"):
         raise CliError(f"--output: expected 'table' or 'json', got {output!r}", code=2)
+    if metrics and not metrics.startswith(("http://", "https://")):  # (bad input: not "did not answer")
+        raise CliError(f"--metrics: expected an http:// or https:// URL of control's /metrics, got {metrics!r}", code=2)
     url = metrics or stack.control_metrics_url()
     listed = clients.call("control", lambda st: st.ListJobs(control_pb2.JobQuery(), timeout=10))
     slots = read_slots(url, timeout_s=10) if url else None

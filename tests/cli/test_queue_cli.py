@@ -214,6 +214,11 @@ def test_workers_lists_each_workers_slots_and_health_and_says_when_control_s_met
             assert (
                 code == 1 and len(err.strip().splitlines()) == 1 and "http://127.0.0.1:1/metrics did not answer" in err
             )
+            # No URL at all is bad input (was: "did not answer", exit 1).
+            code, out, err = run(monkeypatch, capsys, "workers", "--metrics", "notaurl")
+            assert (code, out) == (2, "") and err.strip() == (
+                "error: --metrics: expected an http:// or https:// URL of control's /metrics, got 'notaurl'"
+            )
         finally:
             server.shutdown()
             thread.join(5)
