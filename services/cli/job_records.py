@@ -41,7 +41,9 @@ def _job_id(ref: str) -> str:
     except CliError as e:
         if not e.unreachable:
             raise
-        return ref  # control is down: the id as given (a name is resolved by control only)
+        # Control is down: a name is looked up among this machine's metric files (was: taken as
+        # an id, no file of that name, then control asked for its events: "address unknown")
+        return observe.local_metrics_job(ref) or ref
 
 
 def job_scores(job: str) -> list[ScoresLine] | None:

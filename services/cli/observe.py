@@ -244,6 +244,20 @@ def metrics_file(job: str) -> Path:
     return paths.store_root() / "metrics" / f"{job}.jsonl"
 
 
+def local_metrics_job(ref: str) -> str | None:
+    """The job id of ``ref`` (an id or a job's name) among the local store's metric files, for
+    `plot` and `compare` when control is not there to ask (as ``local_job`` for `logs`): the id
+    itself if it has a file, else the newest job (by its file's time) named ``ref``; None if none."""
+    if metrics_file(ref).is_file():
+        return ref
+    directory = metrics_file(ref).parent
+    if not directory.is_dir():
+        return None
+    named = re.compile(rf"^{re.escape(safe_name(ref))}-[0-9a-f]+\.jsonl$")
+    newest = {f.name.removesuffix(".jsonl"): f.stat().st_mtime for f in directory.iterdir() if named.match(f.name)}
+    return max(newest, key=newest.__getitem__) if newest else None
+
+
 def step_records(
     text: str, path: Path, strict: bool = True
 ) -> tuple[dict[int, dict[int, dict]], dict[int, dict[int, float]]]:

@@ -401,3 +401,21 @@ def test_resume_from_a_version_named_by_its_jobs_name_asks_control_for_the_id(
     monkeypatch.setitem(clients._STUBS, "control", Seen)
     run_cli(["resume", job, "--from", "resn:4"], monkeypatch, capsys)
     assert seen == [f"{job}:4"]
+
+
+def test_plot_by_a_jobs_name_with_the_stack_down_reads_its_newest_local_file(surge_home, tmp_path, monkeypatch, capsys):
+    # (was: the name taken as an id, no such file, then control asked: "control address unknown", exit 1,
+    # while `plot ID` and `logs NAME` worked; found by the fresh user)
+    metrics = surge_home / "store" / "metrics"
+    metrics.mkdir(parents=True)
+    for job, steps in (("met-0a1b2c", (1, 2)), ("met-3d4e5f", (1, 2, 3)), ("other-7a8b9c", (1,))):
+        lines = [
+            json.dumps({"type": "step", "rank": 0, "step": s, "loss": 2.0, "tokens_per_second": 9.0}) for s in steps
+        ]
+        (metrics / f"{job}.jsonl").write_text("".join(line + "\n" for line in lines))
+    os.utime(metrics / "met-0a1b2c.jsonl", (1, 1))  # (the older run of the name)
+    code, out, err = run_cli(["plot", "met", "--out", str(tmp_path / "m.png")], monkeypatch, capsys)
+    assert (code, err) == (0, ""), err
+    assert "(3 steps from " in out and "met-3d4e5f.jsonl" in out, out
+    code, _, err = run_cli(["plot", "nosuch", "--out", str(tmp_path / "n.png")], monkeypatch, capsys)
+    assert code != 0 and "address unknown" in err  # (no file of that name either: control is what could know it)
