@@ -250,6 +250,8 @@ def cordons_table(cordoned) -> Table:
             until += " (or a new node agent of it registering)"
         if c.lost:  # (its agent is gone: nothing runs there; `up` starts what is down)
             until = "a node agent of it registers again (`surgectl up` starts what is down)"
+        if c.held:  # (its agent is silent, maybe stopped or starved: its next beat ends the hold)
+            until = "its node agent beats again"
         t.add_row(c.worker_id, since, c.reason, until)
     return t
 

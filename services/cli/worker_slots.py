@@ -68,7 +68,7 @@ def health_of(
     cordon = {c.worker_id: c for c in cordoned if not c.cleared}
     found: dict[str, list[str]] = {}
     for w, c in cordon.items():
-        what = "quarantined" if c.quarantine else ("lost" if c.lost else "cordoned")
+        what = "quarantined" if c.quarantine else ("lost" if c.lost else ("held" if c.held else "cordoned"))
         found.setdefault(w, []).append(f"{what}: {c.reason}")
     for j in jobs:
         for r in j.slow_ranks:

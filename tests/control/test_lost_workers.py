@@ -38,3 +38,19 @@ def test_a_node_agent_lost_without_notice_is_listed_lost_until_it_registers_agai
         del replaced
         hub.open(registration("w-lost"))  # its agent is back
         assert _listed(stub) == {}
+
+
+def test_a_held_worker_reads_held_until_its_agent_beats_in_the_workers_and_status_views():
+    from services.cli.worker_slots import health_of
+
+    held = control_pb2.WorkerCordoned(
+        worker_id="wb", reason="placement held: the node agent of wb sent no AgentHeartbeat for 5.0 s", held=True
+    )
+    (wb,) = health_of(["wb"], [], [held])
+    assert wb.cordoned and wb.findings == (
+        "held: placement held: the node agent of wb sent no AgentHeartbeat for 5.0 s",
+    )
+    console = Console(width=240, record=True, color_system=None)
+    console.print(cordons_table([held]))
+    row = next(line for line in console.export_text().splitlines() if "wb" in line)
+    assert "placement held" in row and "its node agent beats again" in row, row

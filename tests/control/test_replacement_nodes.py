@@ -277,9 +277,15 @@ def test_a_frozen_nodes_silent_rank_relaunches_every_rank_without_that_node_for_
     assert launched_ranks(on_a) == [0] and launched_ranks(on_c) == [1]  # the held node gets none
     restarted(plane, job_id, {0: w["wa"], 1: w["wc"]}, start_step=0)
     settle(lambda: plane.get(job_id).state, JobState.RUNNING)
+    # The hold is listed with the cordons (`surgectl workers` / `status`: was shown healthy and
+    # placeable, the fresh user's find), not journaled, ended by the agent's next beat.
+    (held,) = plane.user(control_pb2.JobQuery()).cordoned
+    assert (held.worker_id, held.held, held.cleared) == ("wb", True, False)
+    assert held.reason.startswith("placement held: the node agent of wb sent no AgentHeartbeat"), held.reason
 
     # The agent beats again (the node woke): the hold ends, and a later relaunch may use it.
     agent_back(plane)
+    assert list(plane.user(control_pb2.JobQuery()).cordoned) == []
     plane.c.sessions.close(w["wc"], reason="session closed")
     settle(lambda: len(decisions(plane, job_id)), 2)
     assert decisions(plane, job_id)[1].startswith("rebuild after worker_lost of rank 1 on wc"), decisions(plane, job_id)

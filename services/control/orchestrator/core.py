@@ -202,6 +202,7 @@ class Orchestrator(
         self._queue = JobQueue(on_change=self._queue_changed)
         self._start_armed: Deadline | None = None  # the queue's head is about to be tried
         self._cordoned: dict[str, control_pb2.WorkerCordoned] = {}  # worker id -> its cordon in force
+        self._held: dict[str, control_pb2.WorkerCordoned] = {}  # worker id -> its placement hold (worker_health.py)
         # Preemption (preemption.py): a victim's grace, a new job's protection, a preemptor's claim.
         self._preemption_grace_s, self._preemption_min_run_s = preemption_grace_s, preemption_min_run_s
         self._preemption_claim_s = preemption_claim_s
@@ -220,7 +221,7 @@ class Orchestrator(
                 self._publish(job)
             self._rearm_preemptions()
             self._rearm_stops()
-            self._views.publish_cordons(list(self._cordoned.values()))
+            self._publish_cordons()
 
     def close(self) -> None:
         """No retry or step deadline fires any more (control is stopping: a restarted

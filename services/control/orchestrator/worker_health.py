@@ -39,6 +39,17 @@ class WorkerHealth:
                     worker_id=msg.worker_id, reason=msg.detail, unix_time=time.time(), hold=True, lift=msg.cleared
                 )
             )
+            with self._lock:  # (listed with the cordons, not journaled: the agent's next beat ends it)
+                if msg.cleared:
+                    self._held.pop(msg.worker_id, None)
+                else:
+                    self._held[msg.worker_id] = control_pb2.WorkerCordoned(
+                        worker_id=msg.worker_id,
+                        reason=f"placement held: {msg.detail}",
+                        unix_time=time.time(),
+                        held=True,
+                    )
+                self._publish_cordons()
             _log.warning("worker placement held" if not msg.cleared else "worker placement hold ended",
                          worker_id=msg.worker_id, reason=msg.detail)  # fmt: skip
             if not msg.cleared:
@@ -128,10 +139,16 @@ class WorkerHealth:
                 ended = self._cordoned.pop(msg.worker_id, None)
             else:
                 self._cordoned[msg.worker_id] = msg
-            self._views.publish_cordons(list(self._cordoned.values()))
+            self._publish_cordons()
         if not msg.cleared:
             self._journal.save_cordon(msg)
             return
         if ended is not None:
             _log.info("worker cordon ended: its node agent registered again", worker_id=msg.worker_id)
         self._journal.delete_cordon(msg.worker_id)  # (also one restored for an agent gone meanwhile)
+
+    def _publish_cordons(self) -> None:
+        """Under the lock: the cordons in force, then the holds of workers not cordoned, to what
+        the operator's queries read (``JobList.cordoned``)."""
+        held = [h for w, h in self._held.items() if w not in self._cordoned]
+        self._views.publish_cordons([*self._cordoned.values(), *held])
