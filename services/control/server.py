@@ -132,13 +132,16 @@ class ControlServicer(control_pb2_grpc.ControlServiceServicer):
         except AccessRefused as e:
             _abort(context, e)
         # The workers lost without notice beside the cordons: out of placement, like them,
-        # until an agent of theirs registers again (the session hub's word, not a decision).
-        cordoned = {c.worker_id for c in listed.cordoned}
+        # until an agent of theirs registers again (the session hub's word, not a decision). A
+        # lost worker's placement hold (its agent went silent, then its session ended) reads lost.
         hub = self._sessions  # (None: a servicer without node agent sessions, as some tests build it)
-        lost = [c for c in (hub.lost_workers() if hub is not None else ()) if c.worker_id not in cordoned]
+        gone = {c.worker_id: c for c in (hub.lost_workers() if hub is not None else ())}
+        cordons = [c for c in listed.cordoned if not (c.held and c.worker_id in gone)]
+        cordoned = {c.worker_id for c in cordons}
+        lost = [c for w, c in gone.items() if w not in cordoned]
         if len(jobs) == len(listed.jobs) and not lost and not team_view:
             return listed
-        return control_pb2.JobList(jobs=jobs, cordoned=[*listed.cordoned, *lost], team_view=team_view)
+        return control_pb2.JobList(jobs=jobs, cordoned=[*cordons, *lost], team_view=team_view)
 
     def PauseJob(self, request, context):
         return self._job_command(context, "PauseJob", request)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rich.console import Console
 
 from services.cli.render import cordons_table
-from services.contract import control_pb2
+from services.contract import Module, control_pb2
 
 from .conftest import registration, served_control
 
@@ -37,6 +37,28 @@ def test_a_node_agent_lost_without_notice_is_listed_lost_until_it_registers_agai
         assert "node agent lost" in row and "`surgectl up` starts what is down" in row, row
         del replaced
         hub.open(registration("w-lost"))  # its agent is back
+        assert _listed(stub) == {}
+
+
+def test_a_held_worker_is_listed_held_then_lost_if_its_session_ends_and_neither_once_it_registers(
+    tmp_path, monkeypatch
+):
+    def agent_silent(cleared: bool) -> control_pb2.FaultReport:
+        return control_pb2.FaultReport(
+            grade=control_pb2.MEDIUM, fault_class="agent_silent", worker_id="w-held", cleared=cleared,
+            detail="the node agent of w-held sent no AgentHeartbeat for 5.0 s",
+        )  # fmt: skip
+
+    with served_control(tmp_path / "control.db", monkeypatch) as (plane, stub):
+        session = plane.sessions.open(registration("w-held"))
+        plane.bus.publish(Module.L1_FAULT_DETECTOR, agent_silent(cleared=False))
+        (held,) = _listed(stub).values()
+        assert held.held and not held.lost and held.reason.startswith("placement held: the node agent of w-held")
+        plane.sessions.close(session, reason="session closed")  # (killed while stopped: its host gone)
+        (lost,) = _listed(stub).values()
+        assert lost.lost and not lost.held, lost
+        plane.sessions.open(registration("w-held"))  # an agent of it is back: L1-3 reports it heard
+        plane.bus.publish(Module.L1_FAULT_DETECTOR, agent_silent(cleared=True))
         assert _listed(stub) == {}
 
 
