@@ -71,15 +71,20 @@ def local_job(ref: str) -> str | None:
     the newest job (by its files' times) named ``ref``; None if none."""
     if rank_logs(ref):
         return ref
-    directory = logs_dir()
+    return _newest_named(ref, logs_dir(), lambda name: (m := _RANK_LOG.match(name)) and m["job"])
+
+
+def _newest_named(ref: str, directory: Path, job_of: Callable[[str], str | None]) -> str | None:
+    """The job named ``ref`` (``<name>-<hex>``) whose files in ``directory`` (``job_of``: a
+    file name's job id, None for another file) are the newest; None if none."""
     if not directory.is_dir():
         return None
     named = re.compile(rf"^{re.escape(safe_name(ref))}-[0-9a-f]+$")
     newest: dict[str, float] = {}
     for f in directory.iterdir():
-        m = _RANK_LOG.match(f.name)
-        if m and named.match(m["job"]):
-            newest[m["job"]] = max(newest.get(m["job"], 0.0), f.stat().st_mtime)
+        job = job_of(f.name)
+        if job and named.match(job):
+            newest[job] = max(newest.get(job, 0.0), f.stat().st_mtime)
     return max(newest, key=newest.__getitem__) if newest else None
 
 
@@ -250,12 +255,9 @@ def local_metrics_job(ref: str) -> str | None:
     itself if it has a file, else the newest job (by its file's time) named ``ref``; None if none."""
     if metrics_file(ref).is_file():
         return ref
-    directory = metrics_file(ref).parent
-    if not directory.is_dir():
-        return None
-    named = re.compile(rf"^{re.escape(safe_name(ref))}-[0-9a-f]+\.jsonl$")
-    newest = {f.name.removesuffix(".jsonl"): f.stat().st_mtime for f in directory.iterdir() if named.match(f.name)}
-    return max(newest, key=newest.__getitem__) if newest else None
+    return _newest_named(
+        ref, metrics_file(ref).parent, lambda name: name.removesuffix(".jsonl") if name.endswith(".jsonl") else None
+    )
 
 
 def step_records(
