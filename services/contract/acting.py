@@ -13,8 +13,7 @@ through :func:`run_as`.
 from __future__ import annotations
 
 import contextvars
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 _ACTING: contextvars.ContextVar[int] = contextvars.ContextVar("surge_acting_module", default=0)
@@ -25,14 +24,23 @@ def acting_module() -> int:
     return _ACTING.get()
 
 
-@contextmanager
-def acting(module: int) -> Iterator[None]:
-    """Run the body on behalf of ``module`` (restores the previous value after)."""
-    token = _ACTING.set(module)
-    try:
-        yield
-    finally:
-        _ACTING.reset(token)
+class acting:  # noqa: N801 (used as a function: ``with acting(module):``)
+    """Run the body on behalf of ``module`` (restores the previous value after).
+
+    A class, not a ``@contextmanager`` generator: the bus enters it around every handler it
+    runs (~16 a rank's step; at control, every rank beat), and the generator cost ~0.8 us more
+    each time (bench/bus_dispatch.py: a publish to 2 receivers 5.1 -> 3.6 us)."""
+
+    __slots__ = ("_module", "_token")
+
+    def __init__(self, module: int):
+        self._module = module
+
+    def __enter__(self) -> None:
+        self._token = _ACTING.set(self._module)
+
+    def __exit__(self, *exc: object) -> None:
+        _ACTING.reset(self._token)
 
 
 def run_as(module: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:

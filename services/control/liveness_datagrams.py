@@ -175,6 +175,9 @@ class LivenessDatagrams:
         self._sessions = secrets.randbits(48)  # session numbers: a restarted control's differ
         self._last_read = float("-inf")  # time.monotonic() of the last datagram taken (any session)
         self._mass = False  # fallbacks held: most sessions unheard while others are heard
+        # Datagrams taken and rank beats read since the counters were last added to (once a
+        # read, not once a datagram: a counter's inc takes its lock; the reader's alone)
+        self._read_n = self._rank_beats_n = 0
         # The bound on fallbacks and resumes a second (a token bucket, the reader thread's alone):
         # tokens left, and when (monotonic) they were counted
         self._tokens, self._tokens_at = FLIPS_MIN_PER_S, time.monotonic()
@@ -252,6 +255,7 @@ class LivenessDatagrams:
                         break
                 if out:
                     self._apply(out)
+                self._count()
             # (here the socket was drained: what waited in it was read before anyone is unheard)
             if now - last_sweep >= SWEEP_S:
                 last_sweep = now
@@ -284,7 +288,7 @@ class LivenessDatagrams:
             slot.steady = received  # (after a gap: heard again from now)
         slot.seq, slot.heard = msg.seq, received  # (this thread alone writes them)
         slot.period = period
-        LIVENESS_READ.inc()
+        self._read_n += 1
         self._last_read = received
         session = slot.session
         if (
@@ -320,8 +324,16 @@ class LivenessDatagrams:
             return
         for batch in jobs:
             if batch.beats:
-                LIVENESS_RANK_BEATS.inc(len(batch.beats))
+                self._rank_beats_n += len(batch.beats)
                 out.append((session, control_pb2.WorkerEvent(rank_beats=batch)))
+
+    def _count(self) -> None:
+        """Add what the last read took to the counters."""
+        if self._read_n:
+            LIVENESS_READ.inc(self._read_n)
+        if self._rank_beats_n:
+            LIVENESS_RANK_BEATS.inc(self._rank_beats_n)
+        self._read_n = self._rank_beats_n = 0
 
     def _flip(self, now: float) -> bool:
         """Whether one more fallback or resume may be told now (the bound a second); takes it."""

@@ -80,6 +80,7 @@ missing metrics").
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from prometheus_client import Counter, Gauge, Histogram
 
@@ -128,9 +129,23 @@ RANK_SLOWDOWN = Gauge(
 )
 
 
+# (job, rank) -> its RANK_SLOWDOWN series: set on every stepping rank beat, where ``labels()``
+# (validation, a lock, a look-up) cost more than the set; kept exactly while the series exists.
+_SLOWDOWN_SERIES: dict[tuple[str, int], Any] = {}
+
+
+def set_rank_slowdown(job_id: str, rank: int, ratio: float) -> None:
+    """The rank's ``surge_rank_slowdown_ratio`` (L1-3, on each stepping beat it compares)."""
+    series = _SLOWDOWN_SERIES.get((job_id, rank))
+    if series is None:
+        series = _SLOWDOWN_SERIES[(job_id, rank)] = RANK_SLOWDOWN.labels(job_id, str(rank))
+    series.set(ratio)
+
+
 def forget_rank_slowdown(job_id: str, rank: int) -> None:
     """The rank's process ended: its ``surge_rank_slowdown_ratio`` series goes (none: it was
     never compared, a job of one rank)."""
+    _SLOWDOWN_SERIES.pop((job_id, rank), None)
     try:
         RANK_SLOWDOWN.remove(job_id, str(rank))
     except KeyError:

@@ -331,7 +331,7 @@ class Liveness:
                 finding = job.slow.observe(msg.rank, msg.step, compute, msg.unix_time or now)
                 ratio = job.slow.ratio(msg.rank)
                 if ratio is not None:
-                    metrics.RANK_SLOWDOWN.labels(msg.job_id, str(msg.rank)).set(ratio)
+                    metrics.set_rank_slowdown(msg.job_id, msg.rank, ratio)
         if finding is not None:  # (published outside the lock)
             self._report_slow(msg.job_id, finding, job.slow.settings.window)
 
