@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/control_bench.py [--nodes 1024] [--ranks-per-node 8] [--agents 10000]
         [--restart-agents 3000] [--seconds 30] [--procs N] [--agents-per-channel 100] [--all-steps]
+        [--tick-ms 10]
         [--only steps,heartbeats,restart]
         [--out bench/results/control.json]                        # `make bench-control`
     BENCH_QUICK=1: 128 x 8 ranks, 1,000 agents, 1,000 through the restart, 20 s windows
@@ -16,7 +17,11 @@ RUNNING at launch and to every new session, as node_agent.py does; a launch's re
 resend as ``WorkerEvent.batch`` messages of up to 64 events to a control that reads them, as
 control_link.Outbox sends what piled up), no torch and no rank
 process. Many agents share one asyncio loop (a process per core, ``--procs``): a stream is
-a coroutine, never a thread. Each scenario runs on a fresh stack.
+a coroutine, never a thread. A process's agents beat from one ticker (``Schedule``: each
+agent still at its own phase within the second, at most ``--tick-ms`` late; the loop wakes at most
+1,000/tick-ms times a second, where a sleep per agent woke it at every agent's phase: ~100 us of
+the agents' CPU per beat before session 41, ~40 after, at 3,000 agents on 2 cores). Each scenario
+runs on a fresh stack.
 
 * ``steps``: ``--nodes`` agents of ``--ranks-per-node`` ranks, one job over all of them at
   1 step/s. Every rank beats once a second (each agent on its own phase within the second,
@@ -69,6 +74,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import heapq
 import json
 import multiprocessing as mp
 import os
@@ -80,15 +86,27 @@ import time
 import urllib.request
 from pathlib import Path
 
+import grpc
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common as c  # noqa: E402
+from services.common import liveness_progress  # noqa: E402
+from services.common.liveness_mac import liveness_mac  # noqa: E402
+from services.contract import Module, control_pb2, control_pb2_grpc, engine_pb2, worker_pb2  # noqa: E402
+from services.contract.relay import pack as relay_pack  # noqa: E402
 
 FULL = {"nodes": 1024, "agents": 10_000, "restart_agents": 3000, "seconds": 30.0}
 QUICK_SIZES = {"nodes": 128, "agents": 1000, "restart_agents": 1000, "seconds": 20.0}
 REGISTERED_HEADER, LAST_SEQ_HEADER = "surge-registered", "surge-last-seq"  # services/control/server.py
 LIVENESS_HEADER = "surge-liveness-bin"  # services/control/liveness_datagrams.py: the agent's grant
 BATCHES_HEADER = "surge-batches"  # services/control/server.py: control reads WorkerEvent.batch
+# The agents' ticker's resolution (``_ticker``, ``--tick-ms``): each agent beats at its own phase
+# within the second, at most this late; its process's loop wakes at most 1/TICK_S times a second
+# for them (a wake-up cost ~100 us of CPU here, session 41: 5 ms cost ~0.03 cores more than 10 ms
+# at 3,000 agents). The coarser, the burstier the datagrams reach control: ~agents x TICK_S / procs
+# at once (control's reader coalesces 5 ms after a wake-up anyway).
+TICK_S = 0.01
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -125,8 +143,6 @@ def agent_process(address: str, ids: list[int], cfg: dict, shared: Shared, out_q
 
 
 async def _agents(address: str, ids: list[int], cfg: dict, shared: Shared, out_q) -> None:
-    import grpc
-
     # The node agent's channel settings (control_link.py): reconnect 200 ms doubling to 2 s.
     options = [
         ("grpc.use_local_subchannel_pool", 1),
@@ -154,6 +170,7 @@ async def _agents(address: str, ids: list[int], cfg: dict, shared: Shared, out_q
     host = address.rsplit(":", 1)[0]
     agents = [SimAgent(i, cfg, channels[k % len(channels)], shared, stats, (udp, host)) for k, i in enumerate(ids)]
     tasks = [asyncio.create_task(a.run()) for a in agents]
+    tasks.append(asyncio.create_task(_ticker(agents, cfg, shared, stats)))
     while not shared.stop.is_set():
         await asyncio.sleep(0.2)
     for t in tasks:
@@ -177,13 +194,66 @@ async def _agents(address: str, ids: list[int], cfg: dict, shared: Shared, out_q
         await ch.close()
 
 
+class Schedule:
+    """The process's agents' clock: each agent's beat once a second at its own phase within the
+    second (``i / nodes``: as independent hosts) and, in ``steps``, its step boundary (within the
+    spread). A heap of each agent's next beat and step boundary, absolute times: ``due(now)``
+    gives each entry due by ``now`` once however late (one behind by seconds skips what it missed;
+    a look a moment early acts on nothing), in time order, a beat before a step boundary at the
+    same time."""
+
+    def __init__(self, agents: list, cfg: dict, now: float):
+        second = now - (now % 1.0) + 1.0
+        self.heap: list[tuple[float, int, object, bool]] = []
+        for a in agents:
+            self.heap.append((second + (a.i / cfg["nodes"]) % 1.0, len(self.heap), a, False))
+            if cfg["mode"] == "steps":
+                step_phase = (a.i * 0.6180339887 % 1.0) * cfg["step_spread"]
+                self.heap.append((second + step_phase, len(self.heap), a, True))
+        heapq.heapify(self.heap)
+
+    def due(self, now: float) -> list[tuple[object, bool]]:
+        """(agent, is_step) of every entry due by ``now``, each rescheduled a second on (or
+        more: to its first time after ``now``)."""
+        heap, out = self.heap, []
+        while heap and heap[0][0] <= now:
+            at, k, agent, is_step = heap[0]
+            heapq.heapreplace(heap, (at + 1.0 + max(0, int(now - at)), k, agent, is_step))
+            out.append((agent, is_step))
+        return out
+
+    def next_at(self) -> float:
+        return self.heap[0][0] if self.heap else float("inf")
+
+
+async def _ticker(agents: list[SimAgent], cfg: dict, shared: Shared, stats: dict) -> None:
+    """Every agent's beats and step boundaries (``Schedule``), from one coroutine per process
+    that wakes at most every ``--tick-ms``. (Before session 41 each agent slept to its own next
+    time: ~1,500 timer wake-ups a second per process at 3,000 agents, most of the agents' CPU.)
+    The processes' wake-ups interleave (process k of n on its own grid, k/n of a tick on), so
+    control gets the agents' datagrams in bursts of ~agents x tick / n, not all processes' at once."""
+    schedule, tick = Schedule(agents, cfg, time.time()), cfg["tick_s"]
+    offset = tick * cfg.get("proc", 0) / cfg.get("procs", 1)
+    while agents:
+        # The shared flags, read once a wake-up (each read takes their lock).
+        silent, fault = shared.silent_agent.value, shared.fault_rank.value
+        for agent, is_step in schedule.due(time.time()):
+            try:
+                if agent.tick(is_step, silent == agent.i, fault):
+                    fault = -1  # (taken)
+            except Exception as e:  # noqa: BLE001 - the agent's bug, counted: the others beat on
+                stats["errors"].append(f"{agent.worker_id}: tick: {e!r}")
+                stats["error_workers"].add(agent.worker_id)
+        now = time.time()
+        grid = offset + (((now - offset) // tick) + 1) * tick  # (the next wake-up on its grid)
+        await asyncio.sleep(max(grid, schedule.next_at()) - now)
+
+
 class SimAgent:
     """One simulated node agent: a WorkerSession stream with an outbox of sequenced events
     kept until acknowledged, re-opened when it breaks (as control_link.ControlSession)."""
 
     def __init__(self, index: int, cfg: dict, channel, shared: Shared, stats: dict, udp: tuple):
-        from services.contract import control_pb2, control_pb2_grpc
-
         self.i, self.cfg, self.shared, self.stats = index, cfg, shared, stats
         self.worker_id = f"sim-{index}"
         self.incarnation = f"sim-{index}-{os.getpid()}-{time.time_ns()}"
@@ -203,36 +273,30 @@ class SimAgent:
         self.udp, self.grant, self.lseq = udp, None, 0
         self.on_session = False  # control hears none of its datagrams: its beat on the stream too
         # Which of its ranks' beats ride its datagram (services/common/liveness_progress.py)
-        from services.common.liveness_progress import ProgressSplit
-
-        self.split = ProgressSplit()
+        self.split = liveness_progress.ProgressSplit()
+        # Its ranks' beats, built once each and refreshed per beat (job, rank -> RankEvent):
+        # a message that carries one is a copy (protobuf), so reusing it changes no message sent.
+        self.beats: dict[tuple[str, int], object] = {}
 
     # ---- the stream
 
     async def run(self) -> None:
-        import grpc
-
-        ticker = asyncio.create_task(self._tick())
+        """Its session, again after each break (its beats come from the process's ``_ticker``)."""
         delay = 0.2
-        try:
-            while not self.shared.stop.is_set():
-                try:
-                    await self._session()
-                    delay = 0.2
-                except grpc.aio.AioRpcError as e:
-                    if e.code() != grpc.StatusCode.UNAVAILABLE:
-                        self.stats["errors"].append(f"{self.worker_id}: {e.code().name}: {e.details()}")
-                        self.stats["error_workers"].add(self.worker_id)
-                finally:
-                    self.queue = None
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, 2.0)
-        finally:
-            ticker.cancel()
+        while not self.shared.stop.is_set():
+            try:
+                await self._session()
+                delay = 0.2
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    self.stats["errors"].append(f"{self.worker_id}: {e.code().name}: {e.details()}")
+                    self.stats["error_workers"].add(self.worker_id)
+            finally:
+                self.queue = None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 2.0)
 
     async def _session(self) -> None:
-        from services.contract import Module
-
         queue: asyncio.Queue = asyncio.Queue()
         reg = self.pb.WorkerRegistration(
             worker_id=self.worker_id,
@@ -328,9 +392,6 @@ class SimAgent:
             self.stats["beat_on_session"] += self.on_session
 
     def _launch(self, launch) -> None:
-        from services.contract import Module, engine_pb2, worker_pb2
-        from services.contract.relay import pack
-
         old = self.launches.get(launch.job_id)
         if old is not None:  # a relaunch of some ranks: declared with the others after a restart
             merged = self.pb.LaunchRanks()
@@ -353,7 +414,7 @@ class SimAgent:
             self._emit(
                 "started",
                 rank_event=worker_pb2.RankEvent(
-                    job_id=self.job, rank=a.rank, routed=pack(started, Module.L2_TRAINING_LOOP)
+                    job_id=self.job, rank=a.rank, routed=relay_pack(started, Module.L2_TRAINING_LOOP)
                 ),
             )
         if self.held is not None:
@@ -363,9 +424,6 @@ class SimAgent:
         """The rank's process runs (``RankProcessState``, as the node agent states it when its
         waiter starts and again to every new control session): a late beat is then late, not
         gone (the fault detector's ``heartbeat_timeout_running_seconds``)."""
-        from services.contract import Module
-        from services.contract.relay import pack
-
         fact = self.pb.RankProcessState(
             job_id=self.job,
             rank=rank,
@@ -375,7 +433,7 @@ class SimAgent:
             unix_time=time.time(),
             detail="running",
         )
-        self._emit("process_state", routed=pack(fact, Module.EXT_HARDWARE))
+        self._emit("process_state", routed=relay_pack(fact, Module.EXT_HARDWARE))
 
     def _release(self, release) -> None:
         gone = set(release.ranks) or set(self.ranks)
@@ -395,115 +453,91 @@ class SimAgent:
 
     # ---- the ranks' traffic
 
-    async def _tick(self) -> None:
-        """Once a second: each rank's heartbeat (at this node's phase within the second)
-        and, in ``steps``, its StepCompleted at the step boundary (within the spread)."""
-        from services.contract import Module, engine_pb2, worker_pb2
-        from services.contract.relay import pack
-
-        beat_phase = (self.i / self.cfg["nodes"]) % 1.0
-        step_phase = (self.i * 0.6180339887 % 1.0) * self.cfg["step_spread"]
-        steps = self.cfg["mode"] == "steps"
-        now = time.time()
-        next_beat = now - (now % 1.0) + beat_phase + 1.0
-        next_step = now - (now % 1.0) + step_phase + 1.0 if steps else float("inf")
-        while True:
-            # The next beat or step boundary, whichever comes first (absolute times: a wake-up
-            # a moment early never acts twice; one behind by seconds skips what it missed).
-            is_step = next_step < next_beat
-            await asyncio.sleep(max(0.0, (next_step if is_step else next_beat) - time.time()))
-            now = time.time()
-            if self.shared.silent_agent.value == self.i:  # silent from now on: the stream stays open
-                if not self.shared.silent_since.value:
-                    self.shared.silent_since.value = self.last_beat
-                continue
-            if is_step:
-                next_step += 1.0 + max(0, int(now - next_step))
-            else:
-                next_beat += 1.0 + max(0, int(now - next_beat))
-            if not self.ranks:
-                if not is_step:
-                    self._agent_beat_alone()
-                continue
-            if not self.stepping:  # launched, StartTraining not here yet: a real rank beats from its start
-                if not is_step:
-                    self._rank_beats(time.time(), stepping=False)
-                continue
-            fault = self.shared.fault_rank.value
-            if fault in self.ranks:
-                self.shared.fault_rank.value = -1
-                self.shared.fault_sent.value = time.time()
-                self.ranks.discard(fault)
-                exited = self.pb.RankExited(
-                    job_id=self.job, rank=fault, exit_code=1, worker_id=self.worker_id, detail="exit code 1"
+    def tick(self, is_step: bool, silent: bool, fault: int) -> bool:
+        """Its beat now (``is_step``: its step boundary), from the process's ``_ticker``: each
+        rank's heartbeat and, in ``steps``, its StepCompleted at the boundary. ``silent``: it
+        sends nothing more (its stream stays open); ``fault``: the rank whose process exits now
+        (``RankExited``) if it is one of this agent's. Returns whether it took the fault."""
+        if silent:  # silent from now on: the stream stays open
+            if not self.shared.silent_since.value:
+                self.shared.silent_since.value = self.last_beat
+            return False
+        if not self.ranks:
+            if not is_step:
+                self._agent_beat_alone()
+            return False
+        if not self.stepping:  # launched, StartTraining not here yet: a real rank beats from its start
+            if not is_step:
+                self._rank_beats(time.time(), stepping=False)
+            return False
+        took = fault in self.ranks
+        if took:
+            self.shared.fault_rank.value = -1
+            self.shared.fault_sent.value = time.time()
+            self.ranks.discard(fault)
+            exited = self.pb.RankExited(
+                job_id=self.job, rank=fault, exit_code=1, worker_id=self.worker_id, detail="exit code 1"
+            )
+            self._emit("exited", rank_exited=exited)
+        t = time.time()
+        if is_step:
+            self.step += 1
+            for r in sorted(self.ranks):
+                if not self.cfg["all_steps"] and r != 0 and r in self.heard:
+                    continue  # as the node agent's StepSummaries: rank 0's, others' first per session
+                self.heard.add(r)
+                step = engine_pb2.StepCompleted(
+                    job_id=self.job,
+                    rank=r,
+                    step=self.step,
+                    loss=2.0,
+                    tokens=4096,
+                    tokens_per_second=4096.0,
+                    step_seconds=1.0,
+                    unix_time=t,
+                    world_size=self.cfg["world"],
                 )
-                self._emit("exited", rank_exited=exited)
-            t = time.time()
-            if is_step:
-                self.step += 1
-                for r in sorted(self.ranks):
-                    if not self.cfg["all_steps"] and r != 0 and r in self.heard:
-                        continue  # as the node agent's StepSummaries: rank 0's, others' first per session
-                    self.heard.add(r)
-                    step = engine_pb2.StepCompleted(
-                        job_id=self.job,
-                        rank=r,
-                        step=self.step,
-                        loss=2.0,
-                        tokens=4096,
-                        tokens_per_second=4096.0,
-                        step_seconds=1.0,
-                        unix_time=t,
-                        world_size=self.cfg["world"],
-                    )
-                    self._emit(
-                        "step_rank0" if r == 0 else "step",
-                        rank_event=worker_pb2.RankEvent(
-                            job_id=self.job, rank=r, routed=pack(step, Module.L2_TRAINING_LOOP)
-                        ),
-                    )
-                continue
-            if not steps:
-                self.step += 1  # a beat that shows progress (the rank trains)
-            self._rank_beats(t, stepping=True)
+                self._emit(
+                    "step_rank0" if r == 0 else "step",
+                    rank_event=worker_pb2.RankEvent(
+                        job_id=self.job, rank=r, routed=relay_pack(step, Module.L2_TRAINING_LOOP)
+                    ),
+                )
+            return took
+        if self.cfg["mode"] != "steps":
+            self.step += 1  # a beat that shows progress (the rank trains)
+        self._rank_beats(t, stepping=True)
+        return took
 
     def _rank_beats(self, t: float, stepping: bool) -> None:
         """As the node agent's RankBeats (services/worker/rank_beats.py): the node's ranks'
         beats of the period in one unsequenced message, with the agent's own beat riding in it
         (its period is the ranks' here, 1 s), not one message per rank."""
-        from services.contract import worker_pb2
-
-        beats = [
-            worker_pb2.RankEvent(
-                job_id=self.job,
-                rank=r,
-                heartbeat=worker_pb2.RankHeartbeat(
+        phase = worker_pb2.PHASE_FORWARD if stepping else worker_pb2.PHASE_IDLE
+        beats = []
+        for r in sorted(self.ranks):
+            ev = self.beats.get((self.job, r))
+            if ev is None:
+                ev = self.beats[(self.job, r)] = worker_pb2.RankEvent(
                     job_id=self.job,
                     rank=r,
-                    step=self.step,
-                    stepping=stepping,
-                    step_seconds=1.0,
-                    unix_time=t,
-                    interval_seconds=1.0,
-                    phase=worker_pb2.PHASE_FORWARD if stepping else worker_pb2.PHASE_IDLE,
-                    # a real rank's compute so far (1 s steps: 0.3/0.6/0.1 s per phase), so
-                    # L1-3's slow-rank comparison does its real work
-                    forward_compute_seconds=0.3 * self.step,
-                    backward_compute_seconds=0.6 * self.step,
-                    optimizer_compute_seconds=0.1 * self.step,
-                ),
-            )
-            for r in sorted(self.ranks)
-        ]
+                    heartbeat=worker_pb2.RankHeartbeat(job_id=self.job, rank=r, step_seconds=1.0, interval_seconds=1.0),
+                )
+            hb = ev.heartbeat
+            hb.step, hb.stepping, hb.unix_time, hb.phase = self.step, stepping, t, phase
+            # a real rank's compute so far (1 s steps: 0.3/0.6/0.1 s per phase), so L1-3's
+            # slow-rank comparison does its real work
+            hb.forward_compute_seconds = 0.3 * self.step
+            hb.backward_compute_seconds = 0.6 * self.step
+            hb.optimizer_compute_seconds = 0.1 * self.step
+            beats.append(ev)
         self.last_beat = time.time()
         if self.grant is not None:  # its own beat as a datagram (as the node agent's)
             # with the ranks' beats that repeat what the session told riding in it; the rest (a
             # rank's first of the session, a change of stepping) on the session
-            from services.common.liveness_progress import pack
-
             every = beats
             riding, beats = self.split.split(self.job, beats)
-            packed, unfit = pack(self.job, riding) if riding else (b"", [])
+            packed, unfit = liveness_progress.pack(self.job, riding) if riding else (b"", [])
             self._datagram(t, packed)
             if not self.on_session:
                 if beats or unfit:
@@ -533,8 +567,6 @@ class SimAgent:
     def _datagram(self, t: float, progress: bytes = b"") -> None:
         """The agent's own beat as one signed AgentLiveness datagram (liveness_sender.py), its
         ranks' ``progress`` riding."""
-        from services.common.liveness_mac import liveness_mac
-
         grant = self.grant
         self.lseq += 1
         msg = self.pb.AgentLiveness(
@@ -642,7 +674,6 @@ class Watch:
 
     def _run(self) -> None:
         from services.cli import clients
-        from services.contract import control_pb2
 
         while not self._stop.is_set():
             last = self.events[-1].seq if self.events else 0
@@ -679,7 +710,6 @@ class OperatorProbe:
 
     def _run(self) -> None:
         from services.cli import clients
-        from services.contract import control_pb2
 
         with clients.stub("control") as s:
             while not self._stop.wait(0.25):
@@ -721,6 +751,7 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
         "step_spread": args.step_spread,
         "all_steps": args.all_steps,
         "agents_per_channel": args.agents_per_channel,
+        "tick_s": args.tick_ms / 1e3,
     }
     out: dict = {"scenario": name, "nodes": nodes, "ranks_per_node": ranks_per_node, "ranks": world}
     c.setup_env()
@@ -737,7 +768,9 @@ def scenario(name: str, nodes: int, ranks_per_node: int, args) -> dict:
         nproc = max(1, min(args.procs, (nodes + 249) // 250))
         procs = [
             ctx.Process(
-                target=agent_process, args=(address, list(range(k, nodes, nproc)), cfg, shared, out_q), daemon=True
+                target=agent_process,
+                args=(address, list(range(k, nodes, nproc)), dict(cfg, proc=k, procs=nproc), shared, out_q),
+                daemon=True,
             )
             for k in range(nproc)
         ]
@@ -907,7 +940,6 @@ def _restart(out: dict, shared: Shared, watches: list[Watch], stack_mod, stack: 
 
 def _serving(stack_mod, timeout_s: float) -> bool:
     """Whether the control recorded in stack.json reports SERVING within ``timeout_s``."""
-    import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.time() + timeout_s
@@ -1005,6 +1037,12 @@ def main() -> None:
         default=100,
         help="agent streams per HTTP/2 connection (a real node agent has its own: 1)",
     )
+    ap.add_argument(
+        "--tick-ms",
+        type=float,
+        default=1e3 * TICK_S,
+        help="the agents' beats' resolution within the second (a process's loop wakes at most 1,000/this a second)",
+    )
     ap.add_argument("--procs", type=int, default=os.cpu_count() or 2, help="agent processes (one asyncio loop each)")
     ap.add_argument("--register-timeout", type=float, default=120.0)
     ap.add_argument(
@@ -1022,6 +1060,8 @@ def main() -> None:
             sys.exit(f"--{flag.replace('_', '-')}: must be >= 1, got {getattr(args, flag)}")
     if args.seconds <= 0:
         sys.exit(f"--seconds: must be > 0, got {args.seconds}")
+    if not 0 < args.tick_ms <= 100:
+        sys.exit(f"--tick-ms: must be in (0, 100], got {args.tick_ms}")
     sizes = {
         "steps": (args.nodes, args.ranks_per_node),
         "heartbeats": (args.agents, 1),

@@ -60,3 +60,41 @@ def test_rates_are_per_second_between_two_scrapes_by_direction():
         "datagram_rank_beats_per_s": 200.0,
         "flips_deferred_total": 6.0,
     }
+
+
+class _Agent:
+    def __init__(self, i: int):
+        self.i = i
+
+    def __repr__(self) -> str:
+        return f"a{self.i}"
+
+
+def test_schedule_beats_each_agent_once_a_second_at_its_own_phase_and_a_late_look_skips_what_it_missed():
+    # (session 41: one ticker per agent process instead of a sleep per agent)
+    agents = [_Agent(i) for i in range(4)]
+    s = control_bench.Schedule(agents, {"mode": "heartbeats", "nodes": 4}, now=100.5)
+    a0, a1, a2, a3 = ((a, False) for a in agents)
+    assert s.due(100.99) == []  # the first beats from the next whole second, each at i / nodes
+    assert s.due(101.0) == [a0]
+    assert s.due(101.6) == [a1, a2]  # (a look that comes late acts on what is due, in time order)
+    assert s.due(101.6) == []  # (twice at once: nothing twice)
+    assert s.due(101.75) == [a3]
+    assert s.next_at() == 102.0
+    # Behind by seconds: each agent once (not once per second missed), then on at its own phase.
+    late = s.due(105.8)
+    assert sorted(late, key=lambda e: e[0].i) == [a0, a1, a2, a3], late
+    assert s.next_at() == 106.0
+    assert s.due(106.5) == [a0, a1, a2]
+    assert s.due(106.75) == [a3]
+
+
+def test_schedule_in_steps_gives_each_agent_its_step_boundary_within_the_spread():
+    agents = [_Agent(i) for i in range(3)]
+    s = control_bench.Schedule(agents, {"mode": "steps", "nodes": 3, "step_spread": 0.05}, now=7.5)
+    first = s.due(8.0499)
+    # Agent 0: its beat and its step boundary both at 8.0 (the beat first); the others' boundaries
+    # within the spread; their beats (at 1/3 and 2/3 of the second) not yet.
+    assert first[:2] == [(agents[0], False), (agents[0], True)], first
+    assert sorted((a.i, is_step) for a, is_step in first) == [(0, False), (0, True), (1, True), (2, True)]
+    assert [(a.i, is_step) for a, is_step in s.due(9.0)] == [(1, False), (2, False), (0, False), (0, True)]
