@@ -602,6 +602,8 @@ def scrape(port: int) -> dict:
                 out["datagrams_read"] = s.value
             elif s.name == "surge_liveness_datagrams_dropped_total":
                 out["datagrams_dropped"] = out.get("datagrams_dropped", 0.0) + s.value
+                if s.labels["reason"] == "socket_full":  # (by the kernel: control read too slowly)
+                    out["datagrams_socket_full"] = s.value
             elif s.name == "surge_liveness_fallbacks_total":
                 out["beat_on_session"] = s.value
             elif s.name == "surge_liveness_resumed_total":
@@ -655,6 +657,8 @@ def rates(before: dict, after: dict, seconds: float) -> dict:
         "bytes_out_per_s": per_s("bytes", "out:"),
         "datagrams_read_per_s": (after.get("datagrams_read", 0.0) - before.get("datagrams_read", 0.0)) / seconds,
         "datagrams_dropped": after.get("datagrams_dropped", 0.0) - before.get("datagrams_dropped", 0.0),
+        "datagrams_dropped_socket_full": after.get("datagrams_socket_full", 0.0)
+        - before.get("datagrams_socket_full", 0.0),
         "beat_on_session_in_window": after.get("beat_on_session", 0.0) - before.get("beat_on_session", 0.0),
         "beat_on_session_total": after.get("beat_on_session", 0.0),
         "datagrams_resumed_total": after.get("datagrams_resumed", 0.0),
