@@ -15,7 +15,7 @@ from typing import TypeVar
 
 import grpc
 
-from services.cli import render, stack
+from services.cli import render, stack, up_lock
 from services.cli.errors import CliError, from_rpc
 from services.common import paths
 from services.common.grpc_server import TlsConfigError, channel
@@ -94,7 +94,16 @@ def unreachable_hint(service: str, addr: str, services: list[str], down: list[st
     runs (hung, or still starting): `surgectl restart SERVICE`; gone: `surgectl up`, which
     starts again what is down and leaves the rest running (was: always `restart SERVICE`,
     also after a kill of every service, which left the others down). ``stopped``: the pid of
-    ``service``'s process, stopped (``stack.stopped_pid``): `kill -CONT PID` resumes it."""
+    ``service``'s process, stopped (``stack.stopped_pid``): `kill -CONT PID` resumes it.
+    Another process's `up` or `down` of this stack running now: that, first (a `restart`
+    would race it)."""
+    if (running := up_lock.other_command()) is not None:
+        pid, command = running
+        doing = "stopping" if command == "down" else "starting"
+        return (
+            f"{service} unreachable at {addr}: a `surgectl {command}` (pid {pid}) is {doing} this stack now; "
+            "run this again once it has finished"
+        )
     if stopped and service not in down:
         return (
             f"{service} unreachable at {addr}: its process {stopped} is stopped (state T in /proc/{stopped}/status: "

@@ -163,15 +163,18 @@ def down(
     Example: surgectl down
     """
     drained, parked = False, []
-    up_lock.check_none("this `down`")  # (it would stop services that `up` goes on starting and waiting for)
-    if stack.read_stack():
-        _require_whole_view()
-        with stack.exit_on_interrupt(DOWN_INTERRUPTED):
-            drained, parked = _park_jobs() if force else (_drain_running_jobs(drain_seconds), [])
-    with stack.ignoring_interrupts():  # a stop cut in half would leave agents without their control
-        stopped = stack.down(control_first=drained or force)
-        if dashboard.stop():  # (it reads the stack: nothing to show once the stack is gone)
-            stopped.append("dashboard")
+    # Held to the end: an `up` meanwhile would stop the drain or start services this `down` then
+    # leaves running (a second control on the same journal); a `down` started during an `up`
+    # would stop what that `up` goes on starting. Refused either way, one line, exit 1.
+    with up_lock.held("this `down`", name="down"):
+        if stack.read_stack():
+            _require_whole_view()
+            with stack.exit_on_interrupt(DOWN_INTERRUPTED):
+                drained, parked = _park_jobs() if force else (_drain_running_jobs(drain_seconds), [])
+        with stack.ignoring_interrupts():  # a stop cut in half would leave agents without their control
+            stopped = stack.down(control_first=drained or force)
+            if dashboard.stop():  # (it reads the stack: nothing to show once the stack is gone)
+                stopped.append("dashboard")
     render.console.print(f"stopped {', '.join(stopped)}" if stopped else "no stack was running")
     if parked:  # (the ranks are gone: no commit can land after this)
         from services.cli import drain

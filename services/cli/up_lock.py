@@ -1,12 +1,19 @@
-"""One `surgectl up` at a time per SURGE_HOME: an advisory lock (``fcntl.flock``) on
-``$SURGE_HOME/run/up.lock``, held for the whole command, the holder's pid written in it.
+"""One `surgectl up` at a time per SURGE_HOME, and never beside a `down`: an advisory lock
+(``fcntl.flock``) on ``$SURGE_HOME/run/up.lock``, held for the whole command, the holder's pid and
+command written in it. `up` holds it exclusively; `down` shared (two `down`s may overlap, as
+before); `restart` only checks that neither runs.
 
 Why a lock and not a pid file: two `up`s started 0.3 s apart both read ``stack.json``; the
 second found the first's half-written stack (store and data, no worker yet) and said "the
 running stack has 0 workers, not 3 (`surgectl down` then ...)", advice that would stop the
 stack the first was starting. The kernel drops a ``flock`` when its holder exits, however it
-exits (Ctrl-C's ``os._exit``, SIGKILL), so a held lock is a live `up`: no stale pid to judge.
+exits (Ctrl-C's ``os._exit``, SIGKILL), so a held lock is a live command: no stale pid to judge.
 The descriptor is close-on-exec: the services `up` spawns never hold it.
+
+Why `down` holds it too (an operator's trial, session 41): an `up` run while a `down` drained
+undid the drain (the job went on), left that `down` waiting out its whole 300 s drain deadline,
+and, started as the `down` stopped the services, left a second control running on the same
+journal after the `down` removed stack.json (the next `up` started another beside it).
 """
 
 from __future__ import annotations
@@ -25,53 +32,78 @@ def lock_path():
 
 
 class UpInProgress(CliError):
-    """Another `surgectl up` holds the lock (``pid``: its pid as it wrote it, 0 when not yet
-    written). Exit 1: the state, not the input, refuses; run again once it has finished."""
+    """Another `surgectl up` (or a `down`) holds the lock (``pid``: its pid as it wrote it, 0
+    when not yet written). Exit 1: the state, not the input, refuses; run again once it has
+    finished."""
 
-    def __init__(self, pid: int, command: str):
+    def __init__(self, pid: int, command: str, holder: str = "up"):
         who = f"pid {pid}" if pid else "its pid not written yet"
-        super().__init__(
-            f"a `surgectl up` ({who}) is starting this stack now; {command} changed nothing: "
-            "`surgectl status` once it has finished (Ctrl-C in that `up` stops what it started)",
-            code=1,
-        )
-        self.pid = pid
+        if holder == "down":
+            super().__init__(
+                f"a `surgectl down` ({who}) is stopping this stack now; {command} changed nothing: "
+                "run it again once that `down` has finished (Ctrl-C in that `down` while it drains "
+                "leaves the stack running)",
+                code=1,
+            )
+        else:
+            super().__init__(
+                f"a `surgectl up` ({who}) is starting this stack now; {command} changed nothing: "
+                "`surgectl status` once it has finished (Ctrl-C in that `up` stops what it started)",
+                code=1,
+            )
+        self.pid, self.holder = pid, holder
 
 
-def _holder(fd: int) -> int:
+def _holder(fd: int) -> tuple[int, str]:
+    """(pid, command) as the holder wrote them (``"<pid> <command>"``; 0 and "up" when not yet)."""
     try:
-        return int(os.pread(fd, 32, 0).decode().strip() or 0)
+        pid, _, command = os.pread(fd, 64, 0).decode().strip().partition(" ")
+        return int(pid or 0), command or "up"
     except (OSError, ValueError):
-        return 0
+        return 0, "up"
 
 
 @contextmanager
-def held(command: str = "this `up`") -> Iterator[None]:
-    """Hold the lock for the block (an `up`), or raise ``UpInProgress`` at once if another
-    process holds it. The caller has checked that ``run_dir()`` is writable.
+def held(command: str = "this `up`", name: str = "up") -> Iterator[None]:
+    """Hold the lock for the block: exclusively for an `up`, shared for a `down` (``name``);
+    or raise ``UpInProgress`` at once if a command it may not run beside holds it. The caller
+    has checked that ``run_dir()`` is writable (a `down` with no run directory has nothing to
+    stop: it holds nothing).
 
     Raises:
-        UpInProgress: an `up` of this SURGE_HOME runs (its pid in the message).
+        UpInProgress: an `up` (or, for an `up`, a `down`) of this SURGE_HOME runs (its pid in
+            the message).
     """
     path = lock_path()
+    if name == "down" and not path.parent.is_dir():
+        yield
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:
+        if name != "down":
+            raise
+        yield  # (a run directory it cannot write: a `down` still stops what it can)
+        return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if name == "down" else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UpInProgress(_holder(fd), command) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            pid, holder = _holder(fd)
+            raise UpInProgress(pid, command, holder) from None
+        mine = f"{os.getpid()} {name}\n".encode()
+        os.pwrite(fd, mine, 0)  # (then cut to it: a reader never sees the file empty)
+        os.ftruncate(fd, len(mine))
         yield
     finally:
         os.close(fd)  # (releases the lock; the file stays: unlinking it would race a waiter's open)
 
 
 def check_none(command: str) -> None:
-    """Raise ``UpInProgress`` when an `up` of this SURGE_HOME runs now (`down`, `restart`: acting
-    on a stack another process is starting would stop or double what it starts); take
-    nothing. No run directory: no `up` ever ran here."""
+    """Raise ``UpInProgress`` when an `up` or a `down` of this SURGE_HOME runs now (`restart`:
+    a copy of a service `up` starts or `down` stops); take nothing. No run directory: no `up`
+    ever ran here."""
     path = lock_path()
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -79,9 +111,20 @@ def check_none(command: str) -> None:
         return
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise UpInProgress(_holder(fd), command) from None
+            pid, holder = _holder(fd)
+            raise UpInProgress(pid, command, holder) from None
         fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
+
+
+def other_command() -> tuple[int, str] | None:
+    """(pid, "up" | "down") of another process's `up` or `down` of this SURGE_HOME running now,
+    else None (what an unreachable service's hint names first: it is being started or stopped)."""
+    try:
+        check_none("")
+    except UpInProgress as running:
+        return None if running.pid == os.getpid() else (running.pid, running.holder)
+    return None

@@ -61,6 +61,39 @@ def test_a_second_up_while_one_starts_the_stack_names_it_and_changes_nothing(sur
         assert set(json.loads(stack_json.read_text())["services"]) == {"store", "data", "control", "worker-0"}
         again = cli(surge_home, "up", "--no-dashboard", timeout=60)  # (the lock went with the first)
         assert again.returncode == 0 and "already up" in again.stdout, again.stdout + again.stderr
+
+        # A `down` holds it too (an operator's trial: an `up` during a `down`'s drain undid the
+        # drain and, during its stop, left a second control on the journal): held mid-way, an
+        # `up` and a `restart` are refused naming it, and change nothing.
+        down = subprocess.Popen(
+            [sys.executable, "-m", "services.cli.surgectl", "down"],
+            cwd=REPO,
+            env={**os.environ, "SURGE_HOME": str(surge_home)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        lock = surge_home / "run" / "up.lock"
+        deadline = time.monotonic() + 60
+        while lock.read_text().split() != [str(down.pid), "down"]:
+            assert down.poll() is None and time.monotonic() < deadline, lock.read_text()
+            time.sleep(0.01)
+        os.kill(down.pid, signal.SIGSTOP)
+        held = json.loads(stack_json.read_text()) if stack_json.exists() else None
+        try:
+            for refused in (["up", "--no-dashboard"], ["restart", "store"]):
+                r = cli(surge_home, *refused, timeout=60)
+                assert r.returncode == 1, r.stdout + r.stderr
+                assert f"a `surgectl down` (pid {down.pid}) is stopping this stack now" in r.stderr, r.stderr
+                assert "changed nothing" in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+            assert (json.loads(stack_json.read_text()) if stack_json.exists() else None) == held  # (untouched)
+        finally:
+            os.kill(down.pid, signal.SIGCONT)
+        out, err = down.communicate(timeout=120)
+        assert down.returncode == 0 and "stopped" in out, out + err
+        after = cli(surge_home, "up", "--workers", "1", "--no-dashboard", timeout=120)  # (released at its end)
+        assert after.returncode == 0 and "stack is up" in after.stdout, after.stdout + after.stderr
     finally:
         if stopped:
             os.kill(first.pid, signal.SIGCONT)
