@@ -1005,7 +1005,7 @@ def table(results: list[dict]) -> str:
         "scenario",
         "agents x ranks",
         "registered",
-        "rank-0 step ack p50/p99 ms",
+        "rank-0 step ack p50/p99 ms (with the ack pacer's <= 1 s)",
         "step ack ms",
         "control cores",
         "agents cores",

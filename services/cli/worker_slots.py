@@ -69,7 +69,8 @@ def health_of(
     found: dict[str, list[str]] = {}
     for w, c in cordon.items():
         what = "quarantined" if c.quarantine else ("lost" if c.lost else ("held" if c.held else "cordoned"))
-        found.setdefault(w, []).append(f"{what}: {c.reason}")
+        # (a quarantine's reason names itself already: "quarantined: 3 rank faults ...", once)
+        found.setdefault(w, []).append(c.reason if c.reason.startswith(f"{what}:") else f"{what}: {c.reason}")
     for j in jobs:
         for r in j.slow_ranks:
             found.setdefault(r.worker_id, []).append(f"slow: {j.job_id} rank {r.rank}: {r.detail}")

@@ -46,6 +46,9 @@ def test_rates_are_per_second_between_two_scrapes_by_direction():
     # hb37: the ranks' beats that rode the datagrams (per s in the window), flips deferred (since start)
     before.update(datagram_rank_beats=100.0)
     after.update(datagram_rank_beats=2100.0, flips_deferred=6.0)
+    # the kernel's drops in control's full socket (session 41), one of the dropped: in the window
+    before.update(datagrams_socket_full=1.0)
+    after.update(datagrams_socket_full=3.0)
     assert control_bench.rates(before, after, 10.0) == {
         "journal_writes_per_s": 2.0,
         "messages_in_per_s": 3.0,  # (20 beats + 10 steps) / 10 s: a kind first seen in `after` counts whole
@@ -54,6 +57,7 @@ def test_rates_are_per_second_between_two_scrapes_by_direction():
         "bytes_out_per_s": 40.0,
         "datagrams_read_per_s": 500.0,
         "datagrams_dropped": 3.0,
+        "datagrams_dropped_socket_full": 2.0,
         "beat_on_session_in_window": 4.0,
         "beat_on_session_total": 7.0,
         "datagrams_resumed_total": 4.0,

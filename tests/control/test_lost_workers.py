@@ -76,3 +76,15 @@ def test_a_held_worker_reads_held_until_its_agent_beats_in_the_workers_and_statu
     console.print(cordons_table([held]))
     row = next(line for line in console.export_text().splitlines() if "wb" in line)
     assert "placement held" in row and "its node agent beats again" in row, row
+
+
+def test_a_quarantined_worker_s_reason_is_said_once_in_the_workers_view():
+    # A fresh user's trial: `workers` read "quarantined: quarantined: 3 rank faults ..." (the
+    # quarantine's reason names itself, and the view prefixed the kind again).
+    from services.cli.worker_slots import health_of
+
+    reason = "quarantined: 3 rank faults on wa in 3 incidents within 600 s (rank_exit; jobs j-1)"
+    quarantined = control_pb2.WorkerCordoned(worker_id="wa", reason=reason, quarantine=True)
+    cordoned = control_pb2.WorkerCordoned(worker_id="wb", reason="by the operator", unix_time=1.0)
+    wa, wb = health_of(["wa", "wb"], [], [quarantined, cordoned])
+    assert wa.findings == (reason,) and wb.findings == ("cordoned: by the operator",)

@@ -129,6 +129,23 @@ def test_stop_and_pause_checkpoint_their_boundary_step_unless_told_not_to(plane)
     )
 
 
+def test_a_job_stopped_with_no_checkpoint_says_submit_again_not_resume(plane):
+    # A fresh user's trial: after `stop --no-checkpoint` its status said "`surgectl resume`
+    # continues from (no checkpoint yet)", and `resume` then refused it.
+    job_id, a, b = running_job(plane)
+    step(plane, a, job_id, 4)
+    plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(
+            session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=5, stopped=True)
+        )
+    s = plane.get(job_id)
+    assert (s.state, s.outcome) == (JobState.TERMINATED, JobOutcome.STOPPED)
+    assert s.message == (
+        "STOPPED: all ranks stopped at step 5; no checkpoint to resume from: `surgectl submit` starts it again"
+    ), s.message
+
+
 def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_generation(plane, store):
     job_id, a, b = stopped_job(plane, store, at=6)
     s = plane.get(job_id)

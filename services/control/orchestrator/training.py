@@ -372,7 +372,14 @@ class RankEvents:
             how = "stopped" if stopped else "finished"
             # Stopped: say where a resume continues (the stop's checkpoint, or an older one
             # when that save was skipped or not asked for).
-            then = f"; `surgectl resume` continues from {_newest(job)}" if stopped else ""
+            then = ""
+            if stopped:  # (no version to continue from: `resume` refuses it, so it is not suggested)
+                usable = any(v not in job.unusable for _, v in job.versions)
+                then = (
+                    f"; `surgectl resume` continues from {_newest(job)}"
+                    if usable
+                    else "; no checkpoint to resume from: `surgectl submit` starts it again"
+                )
             self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}{then}", kill=False)
             if not stopped:
                 self._hooks_on_finish(job)  # (eval.hooks: eval_hooks.py)
