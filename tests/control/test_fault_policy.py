@@ -870,6 +870,34 @@ def test_a_load_that_found_corrupt_bytes_has_the_store_rescrub_and_its_findings_
     assert resumes(w["wa"]) == [v1]
 
 
+@pytest.mark.parametrize(
+    "asked, after",
+    [
+        (("drain",), JobState.RUNNING),  # (the drain's own pause: the recovery ends the drain)
+        (("pause", "drain"), JobState.PAUSED),  # (the operator's pause, taken over by the drain: kept)
+    ],
+    ids=["drain", "pause-then-drain"],
+)
+def test_a_rank_lost_during_a_drain_is_recovered_running_unless_the_operator_had_paused_it(plane, store, asked, after):
+    # A fresh user's trial: a rank SIGKILLed just after `surgectl down` said "draining"; `down`
+    # said "not drained: control continues its recovery after `up`", and after `up` the job
+    # recovered "paused, as before the fault" with drained false: PAUSED, resumed by nothing.
+    job_id, w = running(plane, "wa", "wb")
+    v1 = saved(plane, w["wa"], job_id, 1, step=4)
+    for what in asked:
+        plane.user(control_pb2.PauseJobRequest(job_id=job_id, drain=what == "drain"))
+    assert plane.get(job_id).draining
+    drain(w["wa"]), drain(w["wb"])
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)  # (before the pause's boundary)
+    assert resumes(w["wa"]) == [v1]
+    drain(w["wb"])
+    restarted(plane, job_id, {0: w["wa"], 1: w["wb"]}, start_step=4)
+    s = plane.get(job_id)
+    assert (s.state, s.drained, s.draining) == (after, False, False), s.message
+    started = kinds(drain(w["wa"])) == ["StartTraining"]
+    assert started == (after == JobState.RUNNING), s.message
+
+
 def test_a_paused_job_whose_rank_dies_is_recovered_and_stays_paused_until_the_operator_resumes(plane, store):
     job_id, w = running(plane, "wa", "wb")
     v1 = saved(plane, w["wa"], job_id, 1, step=4)

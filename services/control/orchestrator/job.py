@@ -308,6 +308,12 @@ class _Job:
     # A resume asked while the ranks pause (an interrupted `down`'s drain, a pause just sent):
     # they continue once every rank has paused (journaled).
     resume_after_pause: bool = False
+    # The pause in flight (or done) is the drain's own, not the operator's (``draining`` or
+    # ``status.drained`` with it): a fault's recovery ends the drain and does not keep its pause
+    # (a fresh user's trial: a rank killed during `down`'s drain left the recovered job PAUSED,
+    # not drained, resumed by nothing). False where the drain took over the operator's pause.
+    # Journaled.
+    drain_own_pause: bool = False
     # The step a drain's pause stopped at without its checkpoint (the store away: not parked,
     # `surgectl down` refused; 0: none). The pause is the drain's, not the operator's: the next
     # drain of it, checkpointing again, is a drain `up` resumes (a fresh operator's trial: it

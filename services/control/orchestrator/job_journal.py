@@ -50,6 +50,7 @@ def _runtime(job: _Job) -> dict:
         "draining": job.draining,
         "parked": job.parked,
         "resume_after_pause": job.resume_after_pause,
+        "drain_own_pause": job.drain_own_pause,
         "drain_unsaved_step": job.drain_unsaved_step,
         "drain_save_step": job.drain_save_step,
         "claim_until": job.claim_until,
@@ -148,6 +149,7 @@ def _load_runtime(job: _Job, rt: dict) -> None:
     job.abandoned = set(rt.get("abandoned", ()))
     job.draining, job.parked = bool(rt.get("draining", False)), bool(rt.get("parked", False))
     job.resume_after_pause = bool(rt.get("resume_after_pause", False))
+    job.drain_own_pause = bool(rt.get("drain_own_pause", False))
     job.drain_unsaved_step = int(rt.get("drain_unsaved_step", 0))
     job.drain_save_step = int(rt.get("drain_save_step", 0))
     job.claim_until = float(rt.get("claim_until", 0.0))

@@ -76,6 +76,7 @@ class OperatorCommands:
                 if not job.draining:
                     before = Before.of(job)
                     job.draining = job.status.drained = True
+                    job.drain_own_pause = False  # (the operator asked this pause: a fault keeps it)
                     job.drain_save_step = 0  # (its ranks pause at the boundary the pause asked)
                     # Undo if its record fails at its commit: the pause in flight stays a pause.
                     self._undo_if_lost(job.status.job_id, lambda e: self._drain_undone(job, before))
@@ -98,6 +99,7 @@ class OperatorCommands:
             cmd = self._in_flight(job, "pause", engine_pb2.PauseTraining(checkpoint=checkpoint))
             job.boundary_failed = job.resume_after_pause = False
             job.draining = job.status.drained = msg.drain  # (drained from now: `up` undoes it if `down` is cut short)
+            job.drain_own_pause = msg.drain
             job.drain_save_step = 0  # (a boundary not agreed yet)
             job.paused.clear()
             what = "drain (pause, then the stack stops)" if msg.drain else "pause"

@@ -63,6 +63,14 @@ def _pausing(job: _Job, msg: control_pb2.FaultReport) -> str:
     return ""
 
 
+def _operator_paused(job: _Job) -> bool:
+    """Whether the job is paused or pausing at the operator's word: a recovery keeps that pause
+    (``Incident.paused``). A drain's own pause is not kept: the recovery ends the drain (its ranks
+    are new, the `down` that asked it says "not drained"), so the recovered job runs."""
+    pausing = job.status.state == JobState.PAUSED or job.pending == "pause"
+    return pausing and not ((job.draining or job.status.drained) and job.drain_own_pause)
+
+
 class Recovery:
     """The recovery sequence (a part of ``Orchestrator``, see core.py)."""
 
@@ -106,7 +114,7 @@ class Recovery:
             world_size=job.status.world_size,
             exited=frozenset(job.exited),
             lost=tuple(_lost_ranks(job, msg)),
-            paused=job.status.state == JobState.PAUSED or job.pending == "pause",
+            paused=_operator_paused(job),
             unusable=frozenset(job.unusable),
             frozen=job.status.state == JobState.FAULT_FROZEN,
             hold=fd.freeze_for(job.spec.fault_policy, decision, recovering=previous is not None)
