@@ -61,7 +61,7 @@ def test_the_live_ranks_pause_load_the_version_and_go_on_from_its_step(plane, st
         ("unknown", "--version {job}:9: not a usable committed checkpoint of job {job} (usable: {job}:1)"),
         ("none", "rollback: job {job} has no committed checkpoint to go back to"),
         ("fp16", "rollback: job {job} trains in fp16"),
-        ("paused", "job {job} is PAUSED, not RUNNING"),
+        ("paused", "job {job} is PAUSED, not RUNNING: `surgectl resume {job}` first"),
     ],
 )
 def test_a_rollback_that_cannot_be_done_is_one_line_and_changes_nothing(plane, store, setup, refused):  # noqa: F811

@@ -305,8 +305,14 @@ class Orchestrator(
 
     def _require(self, job: _Job, state: int) -> None:
         if job.status.state != state:
+            # (what to do next where one command does it: a fresh user's `scale` of a paused job)
+            then = (
+                f": `surgectl resume {job.status.job_id}` first"
+                if job.status.state == JobState.PAUSED and state == JobState.RUNNING
+                else ""
+            )
             raise IllegalTransition(
-                f"job {job.status.job_id} is {JobState.Name(job.status.state)}, not {JobState.Name(state)}"
+                f"job {job.status.job_id} is {JobState.Name(job.status.state)}, not {JobState.Name(state)}{then}"
             )
 
     def _in_flight(self, job: _Job, what: str, cmd: Any) -> Any:
