@@ -21,10 +21,10 @@ from tests.integration.test_end_to_end import cli
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_a_second_up_while_one_starts_the_stack_names_it_and_changes_nothing(surge_home):
-    stack_json = surge_home / "run" / "stack.json"
-    first = subprocess.Popen(
-        [sys.executable, "-m", "services.cli.surgectl", "up", "--workers", "1", "--no-dashboard"],
+def started(surge_home, *args: str) -> subprocess.Popen:
+    """`surgectl ARGS` running in its own session (stopped and continued by the test)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "services.cli.surgectl", *args],
         cwd=REPO,
         env={**os.environ, "SURGE_HOME": str(surge_home)},
         stdout=subprocess.PIPE,
@@ -32,7 +32,12 @@ def test_a_second_up_while_one_starts_the_stack_names_it_and_changes_nothing(sur
         text=True,
         start_new_session=True,
     )
-    stopped = False
+
+
+def test_a_second_up_while_one_starts_the_stack_names_it_and_changes_nothing(surge_home):
+    stack_json = surge_home / "run" / "stack.json"
+    first = started(surge_home, "up", "--workers", "1", "--no-dashboard")
+    stopped, down = False, None
     try:
         deadline = time.monotonic() + 90
         while not stack_json.exists() and time.monotonic() < deadline and first.poll() is None:
@@ -65,15 +70,7 @@ def test_a_second_up_while_one_starts_the_stack_names_it_and_changes_nothing(sur
         # A `down` holds it too (an operator's trial: an `up` during a `down`'s drain undid the
         # drain and, during its stop, left a second control on the journal): held mid-way, an
         # `up` and a `restart` are refused naming it, and change nothing.
-        down = subprocess.Popen(
-            [sys.executable, "-m", "services.cli.surgectl", "down"],
-            cwd=REPO,
-            env={**os.environ, "SURGE_HOME": str(surge_home)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
+        down = started(surge_home, "down")
         lock = surge_home / "run" / "up.lock"
         deadline = time.monotonic() + 60
         while lock.read_text().split() != [str(down.pid), "down"]:
@@ -97,7 +94,8 @@ def test_a_second_up_while_one_starts_the_stack_names_it_and_changes_nothing(sur
     finally:
         if stopped:
             os.kill(first.pid, signal.SIGCONT)
-        if first.poll() is None:
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait()
+        for proc in (first, down):
+            if proc is not None and proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
         down_and_reap(surge_home, cli)
