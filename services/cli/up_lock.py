@@ -38,20 +38,23 @@ class UpInProgress(CliError):
 
     def __init__(self, pid: int, command: str, holder: str = "up"):
         who = f"pid {pid}" if pid else "its pid not written yet"
-        if holder == "down":
-            super().__init__(
-                f"a `surgectl down` ({who}) is stopping this stack now; {command} changed nothing: "
-                "run it again once that `down` has finished (Ctrl-C in that `down` while it drains "
-                "leaves the stack running)",
-                code=1,
-            )
-        else:
-            super().__init__(
-                f"a `surgectl up` ({who}) is starting this stack now; {command} changed nothing: "
-                "`surgectl status` once it has finished (Ctrl-C in that `up` stops what it started)",
-                code=1,
-            )
+        holder = holder if holder in _SAID else "up"
+        doing, then = _SAID[holder]
+        super().__init__(
+            f"a `surgectl {holder}` ({who}) is {doing} this stack now; {command} changed nothing: {then}",
+            code=1,
+        )
         self.pid, self.holder = pid, holder
+
+
+# What the lock's holder is doing, and what to do meanwhile, by its command
+_SAID = {
+    "up": ("starting", "`surgectl status` once it has finished (Ctrl-C in that `up` stops what it started)"),
+    "down": (
+        "stopping",
+        "run it again once that `down` has finished (Ctrl-C in that `down` while it drains leaves the stack running)",
+    ),
+}
 
 
 def _holder(fd: int) -> tuple[int, str]:
@@ -100,31 +103,33 @@ def held(command: str = "this `up`", name: str = "up") -> Iterator[None]:
         os.close(fd)  # (releases the lock; the file stays: unlinking it would race a waiter's open)
 
 
-def check_none(command: str) -> None:
-    """Raise ``UpInProgress`` when an `up` or a `down` of this SURGE_HOME runs now (`restart`:
-    a copy of a service `up` starts or `down` stops); take nothing. No run directory: no `up`
-    ever ran here."""
-    path = lock_path()
+def _running() -> tuple[int, str] | None:
+    """(pid, command) of an `up` or a `down` of this SURGE_HOME holding the lock now (any
+    process), else None; takes nothing. No run directory: no `up` ever ran here."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(lock_path(), os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
-        return
+        return None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            pid, holder = _holder(fd)
-            raise UpInProgress(pid, command, holder) from None
+            return _holder(fd)
         fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
     finally:
         os.close(fd)
+
+
+def check_none(command: str) -> None:
+    """Raise ``UpInProgress`` when an `up` or a `down` of this SURGE_HOME runs now (`restart`:
+    a copy of a service `up` starts or `down` stops); take nothing."""
+    if (running := _running()) is not None:
+        raise UpInProgress(running[0], command, running[1])
 
 
 def other_command() -> tuple[int, str] | None:
     """(pid, "up" | "down") of another process's `up` or `down` of this SURGE_HOME running now,
     else None (what an unreachable service's hint names first: it is being started or stopped)."""
-    try:
-        check_none("")
-    except UpInProgress as running:
-        return None if running.pid == os.getpid() else (running.pid, running.holder)
-    return None
+    running = _running()
+    return None if running is None or running[0] == os.getpid() else running

@@ -80,7 +80,7 @@ from services.control.orchestrator.resume import OperatorResume, _Answer
 from services.control.orchestrator.rollback import RollingBack
 from services.control.orchestrator.stop_deadline import StopDeadlines
 from services.control.orchestrator.teams import Teams
-from services.control.orchestrator.texts import _newest
+from services.control.orchestrator.texts import _newest, _usable
 from services.control.orchestrator.training import RankEvents
 from services.control.orchestrator.undos import Undos
 from services.control.orchestrator.views import DecisionLock, JobViews
@@ -387,7 +387,7 @@ class Orchestrator(
         job.drain_unsaved_step = 0
         job.departure = job.status.preempted_by = ""
         self._lose_profiles(job, f"job {JobOutcome.Name(outcome)}")  # (its ranks are gone: no report comes)
-        if outcome == JobOutcome.FAILED and any(v not in job.unusable for _, v in job.versions):
+        if outcome == JobOutcome.FAILED and _usable(job):
             # (as a stop's end says: where `surgectl resume` would continue from; was said for STOPPED only)
             message += f"; `surgectl resume {job.status.job_id}` continues from {_newest(job)}"
         # Journal the terminal state first: a failing release must never lose it.

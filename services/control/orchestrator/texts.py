@@ -117,9 +117,14 @@ def restored_from_text(bytes_from: dict[str, int] | Counter[str]) -> str:
     return "read from " + " + ".join(f"{_SOURCE_TEXT.get(n, n)} {size_text(b)}" for n, b in used)
 
 
+def _usable(job: _Job) -> list[tuple[int, str]]:
+    """The job's committed versions not known unusable, (step, version): what a resume can take."""
+    return [(step, v) for step, v in job.versions if v not in job.unusable]
+
+
 def _newest(job: _Job) -> str:
     """The job's newest committed version not known unusable, as text."""
-    usable = [(step, v) for step, v in job.versions if v not in job.unusable]
+    usable = _usable(job)
     if not usable:
         return "(no checkpoint yet)"
     step, version = max(usable, key=lambda sv: (sv[0], _version_number(sv[1])))

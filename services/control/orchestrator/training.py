@@ -13,7 +13,7 @@ from services.control.orchestrator.activity import RECOVERED, RELOADED, SCALED, 
 from services.control.orchestrator.departure_plan import save_seconds
 from services.control.orchestrator.job import FROZEN, ORCH, JobOutcome, JobState, _Job, _Recovered
 from services.control.orchestrator.recovery import _step_verdict
-from services.control.orchestrator.texts import _newest, checkpoint_text
+from services.control.orchestrator.texts import _newest, _usable, checkpoint_text
 from services.control.orchestrator.triage import awaits_relaunch
 from services.jobspec import (
     IN_PLACE_ACTIONS,
@@ -374,10 +374,9 @@ class RankEvents:
             # when that save was skipped or not asked for).
             then = ""
             if stopped:  # (no version to continue from: `resume` refuses it, so it is not suggested)
-                usable = any(v not in job.unusable for _, v in job.versions)
                 then = (
                     f"; `surgectl resume` continues from {_newest(job)}"
-                    if usable
+                    if _usable(job)
                     else "; no checkpoint to resume from: `surgectl submit` starts it again"
                 )
             self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}{then}", kill=False)
