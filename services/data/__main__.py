@@ -35,6 +35,7 @@ from pathlib import Path
 
 from services.common import grpc_waits, logs, paths, stack_dump, thread_names
 from services.common.grpc_server import AioServiceServer, PortInUse, serve_metrics
+from services.common.process_exit import leave_after_stop
 from services.common.service_args import ServiceArgumentParser, env_option, listen_host, port
 from services.contract import Module, audit_pb2_grpc, data_pb2, data_pb2_grpc, route_pb2
 from services.contract.audit import AuditServicer, ViolationReporter
@@ -229,4 +230,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    leave_after_stop(main())

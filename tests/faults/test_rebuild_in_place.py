@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,9 +75,36 @@ def stack(shared_stack):
 
 
 def so_far(stack, job: str) -> str:
-    """The job's last events, for a failure's message."""
+    """The job's last events and what its node agents logged of its ranks, for a failure's message."""
     events = list(stack.stub.WatchJob(control_pb2.JobQuery(job_id=job), timeout=30))
-    return " | ".join(f"{e.type}: {e.message[:160]}" for e in events[-12:])
+    agents = [
+        f"{log.stem}: {line[:200]}"
+        for log in sorted((stack.home / "run" / "logs").glob("worker-*.log"))
+        for line in log.read_text(errors="replace").splitlines()
+        if job in line and any(w in line for w in ("rank launched", "rank connected", "rank exited", "fork server"))
+    ]
+    return " | ".join(f"{e.type}: {e.message[:160]}" for e in events[-12:]) + " || agents: " + " | ".join(agents[-8:])
+
+
+def kill_rank(stack, job: str, rank: int) -> int:
+    """SIGKILL the job's one process of ``rank`` and wait (10 s at most) until it is gone or
+    a zombie: the fault the test made is the one it meant (ci: a kill read as rank 1's whose
+    rank trained on until its 60 s stall deadline). Returns its pid."""
+    (pid,) = stack.rank_pids(job, rank)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    while True:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return pid  # gone (reaped)
+        if state == "Z":
+            return pid
+        if time.monotonic() - t0 > 10:
+            status = Path(f"/proc/{pid}/status").read_text(errors="replace").splitlines()[:12]
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            pytest.fail(f"pid {pid} ({cmd}) outlived its SIGKILL by 10 s: {status}; {so_far(stack, job)}")
+        time.sleep(0.05)
 
 
 def wait_for(stack, job: str, marker, what: str) -> None:
@@ -274,9 +302,8 @@ def test_a_rebuild_held_for_inspection_keeps_the_survivor_alive_and_idle_then_re
     job = stack.submit(spec)
     stack.wait_step(job, 6)
     (survivor,) = stack.rank_pids(job, 0)
-    (victim,) = stack.rank_pids(job, 1)
     killed = time.time()
-    os.kill(victim, signal.SIGKILL)
+    kill_rank(stack, job, 1)
     t0 = time.monotonic()
     while "held for inspection" not in (s := stack.status(job)).message:
         assert time.monotonic() - t0 < 60, so_far(stack, job)
