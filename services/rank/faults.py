@@ -23,6 +23,9 @@ root (``rank.py``). No module file knows about them.
   at that step takes ``seconds=<s>`` more before it is staged) and ``slow_heal`` (the rank's
   heal from a live peer in a rebuilt group, when it holds step ``<step>`` or later, takes
   ``seconds=<s>`` more before the transfer: a window in which to kill the healing source)
+  and ``slow_load`` (the rank's first checkpoint load at or after step ``<step>`` of its
+  session, a relaunch's or a resume's, waits ``seconds=<s>`` before the store is asked: a
+  window in which to stop the store under the load)
   and ``corrupt_weights`` (after that step's update, one element of the rank's first matrix
   parameter gets its top mantissa bit flipped, its value scaled by up to 1.5: a silent data
   corruption, found by the replica check, integrity.replica_check_every_steps).
@@ -69,6 +72,7 @@ KINDS = (
     "slow_eval",
     "slow_save",
     "slow_heal",
+    "slow_load",
     "slow_steps",
     "corrupt_weights",
     "slow_compute",
@@ -223,6 +227,12 @@ class FaultInjector:
             if injection.kind == "slow_heal" and step >= injection.step and self._fire(injection):
                 time.sleep(injection.seconds)
 
+    def before_load(self, step: int) -> None:
+        """Apply what is due before a checkpoint load by a rank whose session is at ``step``."""
+        for injection in self._mine:
+            if injection.kind == "slow_load" and step >= injection.step and self._fire(injection):
+                time.sleep(injection.seconds)
+
     def before_profile_export(self, step: int) -> None:
         """Apply what is due before the export of a profile ending at ``step``: hold the
         interpreter lock (a call through ``ctypes.PyDLL`` keeps it), so no other thread of the
@@ -342,6 +352,8 @@ class StepGuard:
                 injector.before_save(msg.step)
             elif isinstance(msg, engine_pb2.HealState):
                 injector.before_heal(msg.step)
+            elif isinstance(msg, store_pb2.LoadCheckpoint):
+                injector.before_load(self._step())
             return port(msg, payload)
 
         return save

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from services.contract import control_pb2
-from services.control.orchestrator.job import _Incident, _Job
+from services.contract import control_pb2, route_pb2
+from services.control.orchestrator.job import RESTORING, WAITING_STORE, _Incident, _Job
 from services.control.orchestrator.triage import (
     CONSEQUENCE,
     JOB_ENDED,
@@ -20,6 +20,7 @@ from services.control.orchestrator.triage import (
     RELEASED,
     RESUMED,
     STALE,
+    STORE_WAIT,
     triage,
 )
 from services.jobspec import parse_job_spec
@@ -38,6 +39,7 @@ def report(
     occurred: float = 0.0,
     replaced: bool = False,
     generation: int = 0,
+    cause: int = 0,
 ) -> control_pb2.FaultReport:
     return control_pb2.FaultReport(
         job_id="j",
@@ -48,6 +50,7 @@ def report(
         occurred_unix=occurred,
         replaced=replaced,
         generation=generation,
+        cause=cause,
     )
 
 
@@ -69,6 +72,19 @@ def job(state: int = JobState.RUNNING, **kw) -> _Job:
 def recovered(action: str = "restart_ranks", **kw) -> _Job:
     """A job whose last incident recovered at unix time 100."""
     return job(last_incident=incident(action, recovered_unix=100.0, **kw))
+
+
+UNAVAILABLE, TIMEOUT = route_pb2.FailureCause.FAILURE_UNAVAILABLE, route_pb2.FailureCause.FAILURE_TIMEOUT
+
+
+def restoring(action: str = "restart_ranks", **kw) -> _Incident:
+    """A recovery whose ranks were relaunched to load a version and have not all reported ready."""
+    return incident(action, relaunched=True, phase=RESTORING, **kw)
+
+
+def load_failed(cause: int, rank: int = 1) -> control_pb2.FaultReport:
+    """A rank's loop that failed loading its checkpoint (StoreUnavailable etc.), typed ``cause``."""
+    return report("checkpoint_error", rank, cause=cause)
 
 
 def relaunched_again() -> _Job:
@@ -206,6 +222,26 @@ CASES = [
     ("resumed: a killed rank's exit, replaced", job(activity=incident(dying={1: 1}, resumed=True)), report("rank_exit", 1, replaced=True),
      CONSEQUENCE),
     ("a replaced rank's release", job(), report("rank_released", 0, replaced=True), RELEASED),
+    # A relaunched rank's load the store did not answer (its typed cause), the ranks relaunched
+    # to load a version: the store's outage, waited for; never a fault of the recovery.
+    ("restart: a relaunched rank's load, store unreachable", job(activity=restoring()), load_failed(UNAVAILABLE),
+     STORE_WAIT),
+    ("restart: a relaunched rank's load, store timed out", job(activity=restoring()), load_failed(TIMEOUT), STORE_WAIT),
+    ("rollback: a relaunched rank's load, store unreachable", job(activity=restoring("rollback")),
+     load_failed(UNAVAILABLE), STORE_WAIT),
+    ("restart: a relaunched rank's load, the version's bytes wrong", job(activity=restoring()),
+     load_failed(route_pb2.FailureCause.FAILURE_DATA_CORRUPT), NEW_INCIDENT),
+    ("restart: a relaunched rank's load, refused", job(activity=restoring()),
+     load_failed(route_pb2.FailureCause.FAILURE_IO), NEW_INCIDENT),
+    ("restart: a load failure while the store is asked", job(activity=incident(relaunched=True, phase=WAITING_STORE)),
+     load_failed(UNAVAILABLE), NEW_INCIDENT),
+    ("rebuild: the replacement's load, store unreachable", job(activity=restoring("rebuild", lost=[1])),
+     load_failed(UNAVAILABLE), NEW_INCIDENT),
+    ("rollback in place: a live rank's load, store unreachable",
+     job(activity=restoring("rollback", reload=True)), load_failed(UNAVAILABLE), NEW_INCIDENT),
+    ("running: a load failure with no recovery", job(), load_failed(UNAVAILABLE), NEW_INCIDENT),
+    ("restart: a failed generation's load failure after the wait began", job(activity=incident(phase=WAITING_STORE)),
+     load_failed(UNAVAILABLE), CONSEQUENCE),
 ]  # fmt: skip
 
 

@@ -25,7 +25,7 @@ import pytest
 
 from services.contract import control_pb2
 from services.rank.faults import lift_pace
-from tests.conftest import stop_process
+from tests.conftest import processes_with, stop_process
 from tests.faults.test_compound import events_so_far, wait_for
 from tests.faults.test_recovery import JobOutcome, JobState, cli, finished, metric, of_type, running_stack, spec
 
@@ -35,6 +35,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 RPC_TIMEOUT_S = 2.0
 PACE = 2.0
 PACED = ",".join(f"drestart:slow_steps@21:rank={r}:seconds={PACE:g}" for r in (0, 1))
+# "sload": rank 1's load in the recovery's relaunch waits 6 s before it asks the store (the
+# test kills the store meanwhile); rank 0 waits before step 9 until the test lifts the pace.
+LOAD = "sload:slow_load@0:rank=1:seconds=6,sload:slow_steps@9:rank=0:seconds=90"
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +45,8 @@ def stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("surge-store-outage"),
         ("json", "email"),
-        ("sstop", "skill", "dcalm", "drestart", "sdrain"),
-        env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S), "SURGE_FAULT_INJECT": PACED},
+        ("sstop", "skill", "dcalm", "drestart", "sdrain", "sload"),
+        env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S), "SURGE_FAULT_INJECT": f"{PACED},{LOAD}"},
     ) as s:
         yield s
 
@@ -174,6 +177,42 @@ def test_a_store_killed_and_restarted_under_a_job_costs_no_restart_and_no_metric
     last = events[-1].status.step
     wait_for(lambda: len(stack.step_records(job)) >= 2 * last, 30, "every step's record of both ranks")
     assert_every_step_once(stack, job, last)
+
+
+def test_a_store_killed_during_a_recoverys_load_is_waited_for_and_spends_no_restart(stack):
+    # A rank killed after the step-8 commit: restart_ranks relaunches both ranks to load it;
+    # rank 1's load waits (slow_load) and the store is killed under it. The load's failure is
+    # the store's outage: the recovery waits for the store and relaunches again, with no second
+    # decision and no restart spent (it was decided checkpoint_error, a rollback, the store's
+    # outage spending the job's restart budget).
+    job = stack.submit(spec("sload", steps=16, every=4))
+    wait_for(lambda: 8 in saved_steps(events_so_far(stack, job)), 120, "the step-8 commit")
+    (victim,) = processes_with(f"--job {job} --rank 1")
+    os.kill(victim, signal.SIGKILL)
+    marker = stack.home / "run" / "faults" / f"{job}.rank1.slow_load@0"
+    wait_for(marker.exists, 120, "the relaunched rank 1's load")
+    os.kill(store_pid(stack.home), signal.SIGKILL)
+    try:
+        waited = wait_for(
+            lambda: [m for m in of_type(events_so_far(stack, job), "recovery") if "the store did not answer" in m],
+            60,
+            "the recovery waiting for the store",
+        )
+        assert "no restart spent" in waited[0], waited
+        back = cli(stack.home, "restart", "store", timeout=120)
+        assert back.returncode == 0, back.stdout + back.stderr
+    finally:
+        lift_pace(stack.home / "run" / "faults", job)
+    events = stack.events(job)
+    finished(events)
+    decisions = of_type(events, "decision")[1:]  # (after the allocation)
+    assert len(decisions) == 1 and decisions[0].startswith("restart_ranks after rank_exit of rank 1"), decisions
+    assert "(restart 1 of " in decisions[0], decisions
+    loads = [e.message for e in events if e.type == "fault" and "checkpoint_error" in e.message]
+    assert loads and all("(consequence of" in m or m.startswith("SEVERE") for m in loads), loads
+    relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
+    assert len(relaunches) == 2, relaunches  # the decision's, and the one after the store came back
+    assert_every_step_once(stack, job, 16)
 
 
 def test_a_data_service_restarted_under_a_job_repeats_and_skips_no_batch(stack):

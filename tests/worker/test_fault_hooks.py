@@ -5,11 +5,12 @@ loop's decision: tests/engine/test_training_loop.py, tests/faults/test_nan_skip.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
 
-from services.contract import engine_pb2
+from services.contract import engine_pb2, store_pb2
 from services.contract.bus import Reply
 from services.rank.faults import FaultInjector, Injection, StepGuard, lift_pace, parse_injections
 
@@ -21,7 +22,7 @@ def test_injections_are_parsed_per_job_name_and_a_bad_entry_is_one_line():
     assert parse_injections(text, "a") == [Injection("nan_loss", 7, 0), Injection("hang", 9, 2)]
     assert parse_injections(text, "c") == []
     kinds = (
-        r"nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save\|slow_heal\|slow_steps\|corrupt_weights"
+        r"nan_loss\|inf_grad\|hang\|hang_forward\|slow_eval\|slow_save\|slow_heal\|slow_load\|slow_steps\|corrupt_weights"
         r"\|slow_compute\|slow_profile_export"
     )
     expected = rf"expected <job name>:<{kinds}>@<step>"
@@ -200,3 +201,29 @@ def test_slow_profile_export_holds_the_interpreter_lock_so_no_other_thread_beats
     assert t1 - t0 >= 1.0
     assert not [x for x in ticks if t0 + 0.05 < x < t1 - 0.05], "a thread ran while the lock was held"
     assert time.monotonic() - t1 < 0.5
+
+
+def test_a_slow_load_waits_before_the_first_load_at_or_after_its_step_once_across_relaunches(tmp_path):
+    asked = []
+
+    def port(msg, payload):
+        asked.append((type(msg).__name__, time.monotonic()))
+        return Reply(store_pb2.CheckpointLoaded())
+
+    step = [3]
+
+    def guarded() -> object:
+        injector = FaultInjector([Injection("slow_load", 4, 1, 0.3)], "j-1", 1, marker_dir=tmp_path)
+        return StepGuard(lambda: step[0], injector=injector).store(port)
+
+    load = guarded()
+    t0 = time.monotonic()
+    load(store_pb2.LoadCheckpoint(version="v1"), None)  # (session at step 3: not yet)
+    assert asked[-1][1] - t0 < 0.2
+    step[0] = 4
+    t0 = time.monotonic()
+    load(store_pb2.LoadCheckpoint(version="v1"), None)
+    assert asked[-1][1] - t0 >= 0.3  # waited before the store was asked
+    t0 = time.monotonic()
+    guarded()(store_pb2.LoadCheckpoint(version="v1"), None)  # a relaunch of the rank: fired already
+    assert asked[-1][1] - t0 < 0.2 and [a for a, _ in asked] == ["LoadCheckpoint"] * 3

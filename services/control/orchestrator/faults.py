@@ -41,6 +41,7 @@ from services.control.orchestrator.triage import (
     RELEASED,
     RESUMED,
     STALE,
+    STORE_WAIT,
     _stale_text,
     consequence_event,
     triage,
@@ -145,7 +146,7 @@ class FaultIntake:
                 # (a finished rank's clean exit, an exit control asked for and a replaced
                 # incarnation's end are no faults: counted, an alert on MEDIUM fired at every
                 # successful job, and one frozen agent counted twice)
-                self._metrics.fault_reported(msg, received, consequence=kind in (CONSEQUENCE, LATE))
+                self._metrics.fault_reported(msg, received, consequence=kind in (CONSEQUENCE, LATE, STORE_WAIT))
             if kind == STALE:
                 self._commit_later(msg)
                 self._record(job, Module.L1_FAULT_DETECTOR, "rank", _stale_text(msg))
@@ -157,6 +158,9 @@ class FaultIntake:
             incident = job.incident
             if kind == RESUMED:
                 self._on_resumed_fault(job, incident, msg, text)
+                return
+            if kind == STORE_WAIT:  # (a relaunched rank's load the store did not answer)
+                self._load_outage(job, incident, msg, text)
                 return
             if kind in (LATE, CONSEQUENCE, NORMAL_END, RELEASED):
                 # A rank's report recorded only (every rank of a group reports its end, or the

@@ -215,6 +215,27 @@ class Recovery:
                 f"check that agreed (step {bound}); never loaded",
             )  # fmt: skip
 
+    def _load_outage(self, job: _Job, incident: _Incident, msg: control_pb2.FaultReport, text: str) -> None:
+        """A relaunched rank could not load the incident's version: the store did not answer
+        (triage.py ``load_outage``). The store's outage, not the recovery's fault: no decision,
+        no restart spent. The relaunch is placed again once the store answers: the recovery
+        goes back to asking the store (its verification, waited for with backoff up to
+        ``fault_policy.store_wait_seconds``, then the policy's ``store_unreachable``), and until
+        the new placement whatever the failed relaunch's ranks report is of that incarnation
+        (``awaits_relaunch``: its exits and broken collectives are consequences, its late ready
+        reports not counted)."""
+        self._record(job, Module.L1_FAULT_DETECTOR, "fault", text)
+        incident.relaunched = False  # (journaled with the record below, as its phase)
+        job.started, job.exited, job.placement, job.launched = set(), set(), {}, {}
+        limit = fd.wait_seconds(job.spec.fault_policy, STORE_UNREACHABLE)
+        self._record(
+            job, ORCH, "recovery",
+            f"checkpoint {incident.version or 'load'} not loaded: the store did not answer rank {msg.rank}; "
+            f"the recovery waits for it (up to {limit:g} s, fault_policy.store_wait_seconds) and relaunches "
+            "the ranks to load it again; no restart spent",
+        )  # fmt: skip
+        self._recover(job, incident)
+
     def _on_resumed_fault(self, job: _Job, incident: _Incident, msg: control_pb2.FaultReport, text: str) -> None:
         """A fault report while a recovery restored from the journal waits to learn whether
         its relaunch reached the node agents (verification_machine.py's ``resumed_fault``)."""

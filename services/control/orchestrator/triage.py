@@ -18,6 +18,10 @@ the job's record (no I/O, no clock, no lock, nothing written), table-tested with
 - ``NORMAL_END``: the clean exit of a rank whose loop reported finished: no fault;
 - ``RESUMED``: a report during a recovery restored from the journal, which says its relaunch
   is not all there (``Orchestrator._on_resumed_fault``: relaunched again, no restart spent);
+- ``STORE_WAIT``: a relaunched rank's load that failed because the store could not be asked
+  (``checkpoint_error`` typed unavailable or timeout: the store down or paused, nothing of the
+  version's bytes): the recovery waits for the store and relaunches again
+  (``Orchestrator._load_outage``), no new fault, no restart spent;
 - ``JOB_ENDED``: the job is TERMINATED, or PAUSED and parked (ranks exiting after the end, or
   after their job was paused with its ranks gone): nothing at all.
 """
@@ -26,8 +30,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from services.contract import control_pb2
-from services.control.orchestrator.job import JobState, _Incident, _Job
+from services.contract import control_pb2, route_pb2
+from services.control.orchestrator.job import RESTORING, JobState, _Incident, _Job
 from services.control.orchestrator.replacement_nodes import unkillable, waiting_on
 from services.jobspec import (
     IN_PLACE_ACTIONS,
@@ -54,6 +58,10 @@ _EXITS = frozenset(
 # failed load or verification. L1-3's grade of one is decided like any report, but an ignore
 # leaves no second record: see Orchestrator._handled_on_receipt.
 _HANDLED_ON_RECEIPT = frozenset({"SnapshotFailed"})
+
+# The typed causes of a store that could not be asked (services/rank/checkpoint_errors.py
+# StoreUnavailable, a transfer cut): an outage, never a finding about a version's bytes.
+_STORE_OUTAGE_CAUSES = frozenset({route_pb2.FailureCause.FAILURE_UNAVAILABLE, route_pb2.FailureCause.FAILURE_TIMEOUT})
 
 
 def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:
@@ -195,6 +203,22 @@ def awaits_relaunch(incident: _Incident, rank: int) -> bool:
     return incident.action not in IN_PLACE_ACTIONS or rank in incident.lost
 
 
+def load_outage(incident: _Incident, report: control_pb2.FaultReport) -> bool:
+    """Whether ``report`` is a relaunched rank's load that failed because the store could not be
+    asked, while ``incident`` restores from a version (the ranks were relaunched to load it; a
+    rebuild or a rollback in place loads nothing from a relaunch): the store's outage, not a
+    fault of the recovery (a paused store was decided as ``checkpoint_error``: a restart spent,
+    the job rolled back)."""
+    return (
+        report.fault_class == "checkpoint_error"
+        and report.cause in _STORE_OUTAGE_CAUSES
+        and incident.phase == RESTORING
+        and incident.relaunched
+        and not incident.reload
+        and incident.action not in IN_PLACE_ACTIONS
+    )
+
+
 def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
     """Whether ``report``, arriving after ``incident`` recovered, is a failed collective it
     caused before that: a rebuild's survivor's, or any rank's of a relaunched generation
@@ -205,7 +229,9 @@ def _late_symptom(incident: _Incident, report: control_pb2.FaultReport) -> bool:
     return incident.action not in IN_PLACE_ACTIONS or report.rank not in incident.lost
 
 
-Triage = Literal["new_incident", "consequence", "late", "released", "stale", "normal_end", "resumed", "job_ended"]
+Triage = Literal[
+    "new_incident", "consequence", "late", "released", "stale", "normal_end", "resumed", "store_wait", "job_ended"
+]
 NEW_INCIDENT: Triage = "new_incident"
 CONSEQUENCE: Triage = "consequence"
 LATE: Triage = "late"
@@ -213,6 +239,7 @@ RELEASED: Triage = "released"
 STALE: Triage = "stale"
 NORMAL_END: Triage = "normal_end"
 RESUMED: Triage = "resumed"
+STORE_WAIT: Triage = "store_wait"
 JOB_ENDED: Triage = "job_ended"
 
 
@@ -265,4 +292,6 @@ def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
         return NORMAL_END  # its loop reported finished first: the normal end of that rank
     if incident is not None and _ended_already(incident, report):
         return CONSEQUENCE  # (its exit came first: what it reports is of the incarnation that ended)
+    if incident is not None and load_outage(incident, report):
+        return STORE_WAIT
     return NEW_INCIDENT
