@@ -39,9 +39,15 @@ def checked_submission(spec_path: Path, overrides: Sequence[str] = ()) -> tuple[
     source). Raises CliError (exit 2) as a submit would, before anything is sent."""
     spec, text, source = spec_tools.load_spec(spec_path, overrides)
     infos = []
-    for name, version, _ in spec.data.datasets:  # (a mixture: every component, each verified)
+    for i, (name, version, _) in enumerate(spec.data.datasets):  # (a mixture: every component, each verified)
         ds = data_pb2.MountDataset(name=name, version=version, verify=True)
-        infos.append(clients.call("data", lambda s, ds=ds: s.Mount(ds, timeout=120)))
+        try:
+            infos.append(clients.call("data", lambda s, ds=ds: s.Mount(ds, timeout=120)))
+        except CliError as e:  # (an unknown or corrupt version: the field that names it, as --dry-run says)
+            if e.unreachable:
+                raise
+            field = "data.dataset" if spec.data.mixture is None else f"data.mixture[{i}].dataset"
+            raise CliError(f"{source}: {field}: {e}", code=e.code, status=e.status) from None
     for info in infos[1:]:
         if info.vocab_size > spec.model.vocab_size:
             raise CliError(
