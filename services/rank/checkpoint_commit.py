@@ -245,9 +245,10 @@ class BackgroundCommit:
         except Exception as e:  # noqa: BLE001 - a report must not turn a skipped save into a fault
             log.error("snapshot_failed_not_reported", error=f"{type(e).__name__}: {e}")
 
-    def _rpc(self, name: str, method, msg, timeout: float, live: bool = False):
+    def _rpc(self, name: str, method, msg, timeout: float, live: bool = False, breaker: bool = True):
         """``method(msg)`` with a deadline of ``timeout``; ``live``: no fixed deadline, the
-        call is waited for while the store answers, up to ``timeout`` (``store_liveness.py``).
+        call is waited for while the store answers, up to ``timeout`` (``store_liveness.py``;
+        ``breaker`` False: sent even while its breaker is open).
 
         Raises:
             StoreUnavailable: the store could not be asked, or stopped answering (typed cause).
@@ -256,7 +257,7 @@ class BackgroundCommit:
         """
         try:
             if live:
-                return self._liveness.call(name, method, msg, timeout)
+                return self._liveness.call(name, method, msg, timeout, breaker=breaker)
             return method(msg, timeout=timeout)
         except StoreSilent as e:
             silent = StoreUnavailable(str(e), e.cause)

@@ -146,18 +146,21 @@ class StoreLiveness:
         self.silent_s = self._base_s + PER_RANK_S * max(0, world_size - 1)
         self._interval = PROBE_SHARE * self.silent_s
 
-    def call(self, name: str, method: Any, msg: Any, bound_s: float) -> Any:
+    def call(self, name: str, method: Any, msg: Any, bound_s: float, breaker: bool = True) -> Any:
         """``method(msg)`` (a unary-unary multicallable) waited for while the store answers.
+        ``breaker`` False: sent and waited for even while the breaker is open (a load: what a
+        save skips, a load must try, the store may be back before the breaker's next probe).
 
         Raises:
             grpc.RpcError: the call's own failure (as a plain call raises it).
             StoreSilent: the store stopped answering, or the bound passed (the call is cancelled);
-                at once while the breaker is open (the call is not sent).
+                at once while the breaker is open (the call is not sent) when ``breaker``.
         """
-        self._fail_fast(name)
+        if breaker:
+            self._fail_fast(name)
         future = method.future(msg, timeout=bound_s + self.silent_s)  # (the wait below ends it first)
         try:
-            self.wait(future, bound_s, name)
+            self.wait(future, bound_s, name, breaker=breaker)
         except StoreSilent:
             future.cancel()
             raise

@@ -37,7 +37,7 @@ PACE = 2.0
 PACED = ",".join(f"drestart:slow_steps@21:rank={r}:seconds={PACE:g}" for r in (0, 1))
 # "sload": rank 1's load in the recovery's relaunch waits 6 s before it asks the store (the
 # test kills the store meanwhile); rank 0 waits before step 9 until the test lifts the pace.
-LOAD = "sload:slow_load@0:rank=1:seconds=6,sload:slow_steps@9:rank=0:seconds=90"
+LOAD = ",".join(f"{n}:slow_load@0:rank=1:seconds=6,{n}:slow_steps@9:rank=0:seconds=90" for n in ("sloadk", "sloads"))
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("surge-store-outage"),
         ("json", "email"),
-        ("sstop", "skill", "dcalm", "drestart", "sdrain", "sload"),
+        ("sstop", "skill", "dcalm", "drestart", "sdrain", "sloadk", "sloads"),
         env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S), "SURGE_FAULT_INJECT": f"{PACED},{LOAD}"},
     ) as s:
         yield s
@@ -179,19 +179,25 @@ def test_a_store_killed_and_restarted_under_a_job_costs_no_restart_and_no_metric
     assert_every_step_once(stack, job, last)
 
 
-def test_a_store_killed_during_a_recoverys_load_is_waited_for_and_spends_no_restart(stack):
+@pytest.mark.parametrize("how", ["killed", "stopped"])
+def test_a_store_down_during_a_recoverys_load_is_waited_for_and_spends_no_restart(stack, how):
     # A rank killed after the step-8 commit: restart_ranks relaunches both ranks to load it;
-    # rank 1's load waits (slow_load) and the store is killed under it. The load's failure is
-    # the store's outage: the recovery waits for the store and relaunches again, with no second
-    # decision and no restart spent (it was decided checkpoint_error, a rollback, the store's
-    # outage spending the job's restart budget).
-    job = stack.submit(spec("sload", steps=16, every=4))
+    # rank 1's load waits (slow_load) and the store is killed (then restarted) or stopped
+    # (then continued) under it. The load's failure is the store's outage (unreachable; or
+    # timeout, its health probe unanswered for a window): the recovery waits for the store and
+    # relaunches again, with no second decision and no restart spent (it was decided
+    # checkpoint_error, a rollback: the store's outage spent the job's restart budget).
+    job = stack.submit(spec("sloadk" if how == "killed" else "sloads", steps=16, every=4))
     wait_for(lambda: 8 in saved_steps(events_so_far(stack, job)), 120, "the step-8 commit")
     (victim,) = processes_with(f"--job {job} --rank 1")
     os.kill(victim, signal.SIGKILL)
     marker = stack.home / "run" / "faults" / f"{job}.rank1.slow_load@0"
     wait_for(marker.exists, 120, "the relaunched rank 1's load")
-    os.kill(store_pid(stack.home), signal.SIGKILL)
+    store = store_pid(stack.home)
+    if how == "killed":
+        os.kill(store, signal.SIGKILL)
+    else:
+        stop_process(store)
     try:
         waited = wait_for(
             lambda: [m for m in of_type(events_so_far(stack, job), "recovery") if "the store did not answer" in m],
@@ -199,9 +205,12 @@ def test_a_store_killed_during_a_recoverys_load_is_waited_for_and_spends_no_rest
             "the recovery waiting for the store",
         )
         assert "no restart spent" in waited[0], waited
-        back = cli(stack.home, "restart", "store", timeout=120)
-        assert back.returncode == 0, back.stdout + back.stderr
+        if how == "killed":
+            back = cli(stack.home, "restart", "store", timeout=120)
+            assert back.returncode == 0, back.stdout + back.stderr
     finally:
+        if how == "stopped":
+            os.kill(store, signal.SIGCONT)
         lift_pace(stack.home / "run" / "faults", job)
     events = stack.events(job)
     finished(events)

@@ -78,6 +78,7 @@ def real_relay(store: Store):
         (store_pb2.SaveCheckpoint, client.save_checkpoint),
         (store_pb2.CommitCheckpoint, client.commit_checkpoint),
         (store_pb2.FlushCheckpoint, client.flush_checkpoint),
+        (store_pb2.LoadCheckpoint, client.load_checkpoint),
     ):
         bus.subscribe(Module.L5_CHECKPOINT_MANAGER, kind, handler)
     for kind in (store_pb2.SaveCompleted, store_pb2.SnapshotFailed):
@@ -228,3 +229,39 @@ def test_the_real_ranks_second_save_to_a_silent_store_fails_at_once_and_the_next
     assert failed() == [(2, store_pb2.TIMEOUT), (3, store_pb2.TIMEOUT)]
     assert "store silent since" in [m for m in up if isinstance(m, store_pb2.SnapshotFailed)][1].reason
     assert [m.step for m in up if isinstance(m, store_pb2.SaveCompleted)] == [1, 4]
+
+
+def test_the_real_ranks_load_from_a_stopped_store_fails_in_one_window_and_goes_while_the_breaker_is_open(slow_store):
+    # A recovery's load (issue 28 session 42): a store stopped under it is found silent in a probe
+    # window (cause TIMEOUT, for L1-1 to wait out), not after LOAD_TIMEOUT_S (60 s); and a load is
+    # sent even while the breaker a silent save opened is still open (the store may be back).
+    import torch
+
+    from services.contract.failures import ModuleFailed
+    from services.rank.checkpoint_errors import StoreUnavailable
+
+    client, port, up = real_relay(slow_store)
+    state = {"model": {"w": torch.full((8,), 1.0)}}
+    try:
+        port(store_pb2.SaveCheckpoint(job_id="loadreal", step=1, rank=0, write_async=True), state)
+        port(store_pb2.CommitCheckpoint(job_id="loadreal", step=1, world_size=1))
+        port(store_pb2.FlushCheckpoint(job_id="loadreal"))  # (held HELD_S by the injection: alive)
+        (done,) = [m for m in up if isinstance(m, store_pb2.SaveCompleted)]
+        template = {"model": {"w": torch.zeros(8)}}
+        stop_process(slow_store.proc.pid)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(ModuleFailed) as e:  # (the bus's: the relay's StoreUnavailable in it)
+                port(store_pb2.LoadCheckpoint(version=done.version), template)
+            waited = time.monotonic() - t0
+        finally:
+            os.kill(slow_store.proc.pid, signal.SIGCONT)
+        assert client._liveness.silent_since is not None  # (the breaker open: a save now would fail at once)
+        loaded = port(store_pb2.LoadCheckpoint(version=done.version), template).message
+    finally:
+        client.close()
+    assert isinstance(e.value.error, StoreUnavailable) and e.value.error.cause == store_pb2.TIMEOUT
+    assert e.value.failure_cause == store_liveness.route_pb2.FAILURE_TIMEOUT
+    assert e.value.fault_class == "checkpoint_error"  # (what L1-1's triage reads, with the cause)
+    assert 1.5 * WINDOW_S <= waited < 1.5 * WINDOW_S + 2.0, waited
+    assert loaded.info.version == done.version and torch.equal(template["model"]["w"], torch.full((8,), 1.0))
