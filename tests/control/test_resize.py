@@ -160,6 +160,30 @@ def test_surgectl_scale_grows_and_shrinks_a_running_job_without_touching_the_ran
     assert decisions(plane, job_id)[-1].startswith("scale by the operator: parallel.dp 4 -> 1")
 
 
+def test_the_node_of_a_rank_kept_by_a_shrink_lost_later_is_its_fault_not_a_replaced_incarnations_end(plane):
+    # A shrink launches no rank: its reply's generation was noted as every kept rank's, newer
+    # than the process running, so the loss of that process's node later was recorded as "ended
+    # after its generation was replaced" (no fault) and the survivors' broken collectives were
+    # decided instead, against another class's budget (a fresh user, session 41).
+    job_id, w = running(plane, "wa", "wb", dp=2, extra="")
+    for session in w.values():
+        drain(session)
+    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
+    (pause,) = routed(w["wa"], "PauseTraining")
+    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
+    ev = control_pb2.RankExited(job_id=job_id, rank=1, exit_code=-9, released=True)
+    plane.c.sessions.on_worker_event(w["wb"], control_pb2.WorkerEvent(rank_exited=ev))
+    ready(plane, job_id, {0: w["wa"]}, step=pause.at_step, generation=2)
+    assert plane.get(job_id).world_size == 1
+    plane.c.sessions.close(w["wa"])  # rank 0's node agent is lost
+    said = decisions(plane, job_id)
+    assert said[-1].startswith("restart_ranks after worker_lost of rank 0"), [
+        f"{e.type}: {e.message[:150]}" for e in plane.events(job_id)
+    ][-6:]
+    stale = [e.message for e in plane.events(job_id) if "ended after its generation was replaced" in e.message]
+    assert stale == [], stale
+
+
 def test_a_scale_whose_new_ranks_do_not_fit_is_refused_before_any_rank_pauses(plane):
     """`surgectl scale J --dp 4` with no free slot: refused at once with the line a submit that
     does not fit gets, no rank paused (was: the ranks paused, then "no free slot for new rank

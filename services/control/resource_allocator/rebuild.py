@@ -230,7 +230,9 @@ class Rebuild:
             replaced_ranks=launched,
             placed=kinds,
             rank_worker_ids=rank_nodes,  # (the whole group's, survivors too: L1-1 journals it)
-            rank_generation=generation,  # (the replacements')
+            # (the replacements'; none launched, none: a shrink's kept ranks run the process
+            # they ran, whose later end is theirs, never a replaced incarnation's)
+            rank_generation=generation if launched else 0,
         )
 
 
