@@ -410,7 +410,9 @@ def no_checkpoint(policy: FaultPolicySpec, fault_class: str, rank: int, versions
         text = f"stop after {who}: {had} (fault policy no_checkpoint: stop)"
         return Decision(
             fault_class, "stop", "stop", text, engine_pb2.STEP_STOP, outcome=JobOutcome.FAILED,
-            final=f"{had}; not restarted from scratch (no_checkpoint: stop); every checkpoint is kept",
+            # (none committed: nothing to keep, and nothing for `surgectl resume` to load)
+            final=f"{had}; not restarted from scratch (no_checkpoint: stop)"
+            + ("; every checkpoint is kept" if versions else ""),
         )  # fmt: skip
     text = f"restart from scratch after {who}: {had} (fault policy no_checkpoint: restart_from_scratch)"
     return Decision(fault_class, "restart_from_scratch", "restart_from_scratch", text, engine_pb2.STEP_RELAUNCH)

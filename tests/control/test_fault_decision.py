@@ -354,6 +354,12 @@ def test_a_relaunch_with_no_usable_checkpoint_is_the_policy_s_decision(value, ve
         )
 
 
+def test_a_stop_for_want_of_a_checkpoint_keeps_none_when_none_was_committed():
+    # (a fresh user read "every checkpoint is kept" of a job that had committed none)
+    d = no_checkpoint(FaultPolicySpec(no_checkpoint="stop"), "rank_exit", 1, 0)
+    assert d.final == "no checkpoint was committed yet; not restarted from scratch (no_checkpoint: stop)"
+
+
 def test_the_default_no_checkpoint_policy_restarts_from_scratch_and_a_typo_is_refused():
     assert FaultPolicySpec().no_checkpoint == "restart_from_scratch"  # (the behaviour before the entry)
     with pytest.raises(ValueError, match="no_checkpoint"):
