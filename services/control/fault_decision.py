@@ -473,6 +473,15 @@ def launch_policy(policy: FaultPolicySpec) -> dict:
     }
 
 
+def order_name(policy: FaultPolicySpec, order: int) -> str:
+    """``order`` (a StandingOrder id) as an operator reads it: ``2 (skip_step for
+    non_finite_loss)``; the id alone when the policy holds no such order."""
+    for o in standing_orders(policy):
+        if o.id == order:
+            return f"{order} (skip_step for {STEP_FAULT_CLASS[o.kind]})"
+    return str(order)
+
+
 def standing_orders(policy: FaultPolicySpec) -> list[engine_pb2.StandingOrder]:
     """The verdicts L1-1 gives in advance with the job (InitJob.standing_orders): skip the
     step for every step fault class the policy maps to skip_step (e.g. the default for

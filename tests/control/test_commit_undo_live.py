@@ -147,7 +147,7 @@ def test_a_rollback_whose_record_is_lost_is_not_in_flight(plane, store, monkeypa
 def test_a_revoke_whose_record_is_lost_leaves_the_order_held(plane, monkeypatch):  # noqa: F811
     job_id, w = running(plane, "wa", "wb")
     orch = plane.c.orchestrator
-    LostCommits(monkeypatch, plane.c.journal, decision("standing order 1 revoked"))
+    LostCommits(monkeypatch, plane.c.journal, decision("standing order 1 (skip_step for gradient_overflow) revoked"))
     with pytest.raises(Exception, match=FAILED):  # (called as revoke_order_request calls it)
         orch._withdraw_standing_order(job_id, 1)
     assert routed(w["wa"]) == [] and routed(w["wb"]) == []

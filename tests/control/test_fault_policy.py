@@ -592,14 +592,31 @@ def test_a_standing_order_the_orchestrator_withdraws_reaches_every_rank_with_one
     for session in w.values():
         assert [to_ranks(c) for c in drain(session)] == [engine_pb2.RevokeStandingOrder(job_id=job_id, order=1, seq=1)]
     assert decisions(plane, job_id)[-1] == (
-        "standing order 1 revoked at the next step boundary every rank agrees on (command #1 to the ranks)"
+        "standing order 1 (skip_step for gradient_overflow) revoked at the next step boundary every rank agrees on "
+        "(command #1 to the ranks)"
     )
     plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=8, loss=2.0, tokens=64, commands_agreed=1))
-    assert "standing order 1 revoked after step 8" in [e.message for e in plane.events(job_id)[-2:]]  # where agreed
+    assert "standing order 1 (skip_step for gradient_overflow) revoked after step 8" in [
+        e.message for e in plane.events(job_id)[-2:]
+    ]  # where agreed
     plane.user(control_pb2.StopJobRequest(job_id=job_id, no_checkpoint=True))
     plane.rank_exited(w["wa"], job_id, 0, exit_code=0), plane.rank_exited(w["wb"], job_id, 1, exit_code=0)
     with pytest.raises(IllegalTransition, match="no ranks to revoke an order of"):
         plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+
+
+def test_a_recovery_says_that_its_relaunched_ranks_hold_the_withdrawn_order_again(plane):
+    # (a fresh user's revoked order came back with a relaunch, unannounced)
+    job_id, w = running(plane, "wa", "wb")
+    plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=1)
+    said = [
+        e.message for e in plane.events(job_id) if e.type == "recovery" and "withdrawn by the operator" in e.message
+    ]
+    assert said == [
+        "standing order 1 (skip_step for gradient_overflow) withdrawn by the operator: the ranks this recovery "
+        f"launches get the fault policy's orders again (`surgectl revoke {job_id} CLASS` withdraws it again)"
+    ], said
 
 
 def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_keeps_a_withdrawal(tmp_path, store):
@@ -627,7 +644,8 @@ def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_k
     plane.rank_event(w["wb"], job_id, 1, step_fault=engine_pb2.StepFaultReported(rank=1, reminder=1, **nan))
     assert [[to_ranks(c) for c in drain(s)] for s in w.values()] == [[verdict], [verdict]]  # (by job, to every rank)
     assert decisions(plane, job_id)[1:] == [
-        "standing order 1 revoked at the next step boundary every rank agrees on (command #1 to the ranks)",
+        "standing order 1 (skip_step for gradient_overflow) revoked at the next step boundary every rank agrees on "
+        "(command #1 to the ranks)",
         "verdict on non_finite_loss at step 6 sent again: rank 1 still waits after 0 s",
     ]
     assert plane.c.orchestrator._withdraw_standing_order(job_id, 1) == at  # these ranks have it already

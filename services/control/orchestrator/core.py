@@ -38,6 +38,7 @@ import structlog
 from services.common.deadlines import Deadline, Deadlines
 from services.contract import Module, control_pb2, engine_pb2
 from services.contract.bus import CommandPort, Emitter, Reply
+from services.control import fault_decision as fd
 from services.control.cluster_metrics import watch_jobs
 from services.control.job_queue import JobQueue
 from services.control.job_store import JobStore
@@ -361,7 +362,10 @@ class Orchestrator(
             if not step and seq <= msg.commands_agreed:
                 job.revoked[order] = (seq, msg.step)
                 self._record(
-                    job, Module.L2_TRAINING_LOOP, "rank", f"standing order {order} revoked after step {msg.step}"
+                    job,
+                    Module.L2_TRAINING_LOOP,
+                    "rank",
+                    f"standing order {fd.order_name(job.spec.fault_policy, order)} revoked after step {msg.step}",
                 )
 
     def _require_idle(self, job: _Job, ask: Ask) -> Admission:

@@ -459,7 +459,8 @@ class OperatorCommands:
                 job,
                 ORCH,
                 "decision",
-                f"standing order {order} revoked at the next step boundary every rank agrees on "
+                f"standing order {fd.order_name(job.spec.fault_policy, order)} revoked at the next step boundary "
+                "every rank agrees on "
                 f"(command #{cmd.seq} to the ranks)",
             )
             self._loop(cmd)

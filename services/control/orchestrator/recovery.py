@@ -164,6 +164,13 @@ class Recovery:
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
         job.launched = {}
         job.verdicts.clear()
+        if job.revoked:  # (said: the operator's withdrawal would otherwise come back unannounced)
+            names = ", ".join(fd.order_name(job.spec.fault_policy, o) for o in sorted(job.revoked))
+            self._record(
+                job, ORCH, "recovery",
+                f"standing order {names} withdrawn by the operator: the ranks this recovery launches get the "
+                f"fault policy's orders again (`surgectl revoke {job.status.job_id} CLASS` withdraws it again)",
+            )  # fmt: skip
         job.revoked.clear()
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
