@@ -224,6 +224,19 @@ def test_a_new_layout_asked_of_a_queued_resume_is_applied_to_it_and_placed_when_
     assert [len(x.ranks) for x in mine] == [1] and spec_from_json(mine[0].init.spec_json).parallel.dp == 1
 
 
+def test_a_queued_resume_shows_the_layout_it_waits_to_start_at(plane, store):  # noqa: F811
+    """`status` and `queue` of a resume queued with a new layout said the size it last ran at
+    (a fresh user's `resume --dp 4`), though admission counts the one asked."""
+    job_id, a, b = stopped_job(plane, store, at=6)
+    plane.submit(name="blocker", dp=2)  # takes both slots: nothing of it fits
+    s = plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=1, grad_accum=2))
+    assert s.state == JobState.STANDBY
+    layout = lambda s: (s.world_size, s.dp, s.micro_batch_size, s.grad_accum)  # noqa: E731
+    assert layout(s) == layout(plane.get(job_id)) == (1, 1, 2, 2)
+    plane.user(control_pb2.ResumeJobRequest(job_id=job_id, dp=2, grad_accum=1))  # asked again: its own
+    assert layout(plane.get(job_id)) == (2, 2, 2, 1)
+
+
 def test_another_version_the_job_has_asked_of_its_queued_resume_says_to_cancel_first(plane, store):  # noqa: F811
     job_id, a, b = running_job(plane)
     step(plane, a, job_id, 2)

@@ -73,6 +73,14 @@ def _set_layout(status: control_pb2.JobStatus, spec: JobSpec) -> None:
     )
 
 
+def _set_size(status: control_pb2.JobStatus, spec: JobSpec) -> None:
+    """The job's world size and layout in its published status: a queued resume shows the size
+    it waits to start at (the layout asked with it, which admission counts), and the size it
+    last ran at again once it leaves the queue unplaced."""
+    status.world_size = spec.world_size
+    _set_layout(status, spec)
+
+
 def _layout_of(spec: JobSpec) -> tuple[int, int, int]:
     return spec.parallel.dp, spec.data.micro_batch_size, spec.data.grad_accum
 

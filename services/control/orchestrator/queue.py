@@ -14,7 +14,7 @@ from services.control import fault_decision as fd
 from services.control.job_queue import QueueEntry, check_priority
 from services.control.monitoring import start_monitoring
 from services.control.orchestrator.job import ORCH, JobOutcome, JobState, _Job, launched_on
-from services.control.orchestrator.layout import _set_layout
+from services.control.orchestrator.layout import _set_layout, _set_size
 from services.control.orchestrator.refusals import IllegalTransition, JobDoesNotFit
 from services.control.orchestrator.request_ids import spec_sha256, submitted_before
 from services.control.orchestrator.resume_machine import Queue, Refuse
@@ -401,6 +401,7 @@ class JobQueueing:
                         ahead -= 1
                         job.status.outcome = JobOutcome.FAILED
                         job.relaunch = None
+                        _set_size(job.status, job.spec)  # (not placed: the size it last ran at)
                         self._transition(job, JobState.TERMINATED, ORCH, f"FAILED: refused: {effect.text}")
                     else:  # not yet: its place kept
                         job.queued = self._queue.put(entry)
@@ -469,6 +470,7 @@ class JobQueueing:
         job.status.outcome = JobOutcome.STOPPED
         resumed = job.relaunch is not None  # (a resume that waited: its checkpoints stay, resume it again later)
         job.relaunch = None
+        _set_size(job.status, job.spec)  # (a resume's layout asked with it: the size it last ran at again)
         job.status.drained = False
         job.status.preempted_by = ""
         what = "its resume taken out of the queue" if resumed else "taken out of the queue"

@@ -25,7 +25,14 @@ from services.control.orchestrator.job import (
     launched_on,
 )
 from services.control.orchestrator.job_journal import _load_runtime, _runtime
-from services.control.orchestrator.layout import _layout_asked, _layout_change, _layout_flags, _new_layout, _set_layout
+from services.control.orchestrator.layout import (
+    _layout_asked,
+    _layout_change,
+    _layout_flags,
+    _new_layout,
+    _set_layout,
+    _set_size,
+)
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
 from services.control.orchestrator.texts import (
     _beyond_cluster,
@@ -227,6 +234,7 @@ class OperatorResume:
             job.parked = job.parked_live = job.draining = job.resume_after_pause = False
             job.status.outcome = JobOutcome.OUTCOME_UNSPECIFIED
             job.queued = entry
+            _set_size(job.status, spec or job.spec)  # (before its records: journaled with them)
             where = f"position {self._queue.position(job_id)} of {len(self._queue)}, priority {entry.priority}"
             self._record(
                 job,
@@ -239,6 +247,7 @@ class OperatorResume:
         except BaseException:
             self._queue.take(job_id)
             job.queued = job.relaunch = None
+            _set_size(job.status, job.spec)  # (the size it ran at again)
             raise
         if start:
             self._start_soon()  # (a drained job first: what it held back may be tried behind it)
@@ -306,6 +315,7 @@ class OperatorResume:
         if spec_to_json(target) == spec_to_json(queued):
             return self._snapshot(job)
         r["spec"] = spec_to_json(new) if new is not None else ""
+        _set_size(job.status, target)
         self._queue.mark_beyond_cluster(job_id, False)  # (the new world size is measured afresh)
         self._record(
             job,
