@@ -48,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from services.contract import control_pb2, engine_pb2
+from services.contract import control_pb2, engine_pb2, route_pb2
 from services.jobspec import DATA_OUTAGE, IN_PLACE_ACTIONS, REBUILD_CLASSES, STEP_FAULT_CLASSES, FaultPolicySpec
 
 FaultGrade = control_pb2.FaultGrade
@@ -166,6 +166,18 @@ class Decision:
     exclude: tuple[str, ...] = ()
     strike: str = ""
     in_place: bool = False  # rollback: the live ranks load the version (ResumeTraining.reload_version)
+    spends: bool = True  # a relaunch counted against the class's budget (not: the store's outage)
+
+
+# The typed causes of a store that could not be asked (services/rank/checkpoint_errors.py
+# StoreUnavailable, a transfer cut): an outage, never a finding about a version's bytes.
+STORE_OUTAGE_CAUSES = frozenset({route_pb2.FailureCause.FAILURE_UNAVAILABLE, route_pb2.FailureCause.FAILURE_TIMEOUT})
+
+
+def load_outage(report: control_pb2.FaultReport) -> bool:
+    """Whether ``report`` is a rank's checkpoint load the store did not answer (killed,
+    restarting, stopped): ``checkpoint_error`` typed unavailable or timeout."""
+    return report.fault_class == "checkpoint_error" and report.cause in STORE_OUTAGE_CAUSES
 
 
 def fault_class_of(report: control_pb2.FaultReport) -> str:
@@ -246,6 +258,19 @@ def decide(policy: FaultPolicySpec, job: JobView, report: control_pb2.FaultRepor
             JobOutcome.STOPPED,
             f"stopped by the operator; then {said}",
         )
+    if load_outage(report):
+        # The store's outage under a load (a resume's, an `up`'s, a rollback in place's): not
+        # the job's fault, so not its policy's nor its budget's. Every rank is relaunched to
+        # load the version once the store answers: the recovery's verification waits for it
+        # (store_wait_seconds, then store_unreachable decides). (During a recovery's own
+        # relaunch the orchestrator waits without a new decision: triage's STORE_WAIT.)
+        return Decision(
+            fault_class, "restart_ranks", "restart_ranks",
+            f"restart_ranks after {who}: the store did not answer the checkpoint's load (its outage, not the "
+            "job's fault): every rank is relaunched to load it once the store answers (waited for up to "
+            "fault_policy.store_wait_seconds); no restart spent",
+            _VERDICTS["restart_ranks"], spends=False,
+        )  # fmt: skip
     if action == "ignore":
         n = job.ignored.get(fault_class, 0) + 1
         then = "; the step is applied as it is" if step_fault else ""

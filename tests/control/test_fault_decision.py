@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.contract import control_pb2, engine_pb2
+from services.contract import control_pb2, engine_pb2, route_pb2
 from services.control.fault_decision import (
     JobView,
     action_of,
@@ -260,6 +260,28 @@ def test_only_a_checkpoint_integrity_failure_strikes_the_version_being_loaded():
     assert decide(FaultPolicySpec(), loading, corrupt).strike == "j:2"
     assert decide(FaultPolicySpec(), loading, report("checkpoint_error", FaultGrade.SEVERE)).strike == ""
     assert decide(FaultPolicySpec(), FRESH, corrupt).strike == ""
+
+
+@pytest.mark.parametrize("cause", [route_pb2.FAILURE_UNAVAILABLE, route_pb2.FAILURE_TIMEOUT])
+def test_a_load_the_store_did_not_answer_relaunches_every_rank_and_spends_no_restart(cause):
+    # (a fresh user's `resume`, `up` and `rollback` with the store killed under the load: decided
+    # as the policy's checkpoint_error, a rollback counted against its budget; with budget 0, FAILED)
+    outage = report("checkpoint_error", FaultGrade.SEVERE)
+    outage.cause = cause
+    spent = JobView(restarts={"checkpoint_error": 3}, ignored={})
+    d = decide(FaultPolicySpec(restarts={"checkpoint_error": 0}), spent, outage)
+    assert (d.action, d.spends, d.strike, d.bound) == ("restart_ranks", False, "", None)
+    assert d.text.startswith("restart_ranks after checkpoint_error of rank 1 on wb: the store did not answer")
+    assert d.text.endswith("; no restart spent")
+    # An operator's stop in flight still wins; a load that read bad bytes is the policy's.
+    stopping = JobView(restarts={}, ignored={}, stop_requested=True)
+    assert decide(FaultPolicySpec(), stopping, outage).action == "stop"
+    corrupt = report("checkpoint_error", FaultGrade.SEVERE, subclass="checkpoint_integrity")
+    corrupt.cause = route_pb2.FAILURE_DATA_CORRUPT
+    assert (decide(FaultPolicySpec(), FRESH, corrupt).action, decide(FaultPolicySpec(), FRESH, corrupt).spends) == (
+        "rollback",
+        True,
+    )
 
 
 def test_standing_orders_are_the_skip_step_classes_with_stable_ids():

@@ -6,6 +6,7 @@ event "every rank ready" is (activity.py's ``ready_for``)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -256,6 +257,11 @@ def test_a_relaunch_spends_a_restart_begins_the_incident_and_starts_its_recovery
     assert (incident.cause, incident.action, incident.decided, incident.at_step) == (CAUSE, "restart_ranks", 5.0, 30)
     assert dict(incident.dying) == {0: 1, 2: 1, 3: 1}  # every rank not seen ended will end
     assert not incident.paused and incident.lost == []
+
+
+def test_a_relaunch_for_the_stores_outage_spends_no_restart() -> None:
+    incident, effects = rm.decided(dataclasses.replace(decision(), spends=False), CAUSE, facts(), 5.0)
+    assert effects == [rm.Begin(incident, "restart_ranks after rank_exit"), FROZEN_NOW, rm.Recover()]
 
 
 def test_a_job_frozen_already_is_not_said_frozen_again_and_a_hold_freezes_instead_of_recovering() -> None:

@@ -220,7 +220,7 @@ def decided(decision: Any, cause: Any, facts: Facts, now: float) -> tuple[Any, l
         return None, [Terminate(decision.outcome, decision.final)]
     if action == "pause":
         return None, [PauseJob(decision.final)]
-    effects: list[Any] = [Spend(fault_class)]
+    effects: list[Any] = [Spend(fault_class)] if decision.spends else []
     if decision.strike and decision.strike not in facts.unusable:  # (struck already if its load's report came first)
         why = (
             "reproduced the replica divergence it was loaded to recover from: suspect"

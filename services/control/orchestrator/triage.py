@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from services.contract import control_pb2, route_pb2
+from services.contract import control_pb2
+from services.control import fault_decision as fd
 from services.control.orchestrator.job import RESTORING, JobState, _Incident, _Job
 from services.control.orchestrator.replacement_nodes import unkillable, waiting_on
 from services.jobspec import (
@@ -58,10 +59,6 @@ _EXITS = frozenset(
 # failed load or verification. L1-3's grade of one is decided like any report, but an ignore
 # leaves no second record: see Orchestrator._handled_on_receipt.
 _HANDLED_ON_RECEIPT = frozenset({"SnapshotFailed"})
-
-# The typed causes of a store that could not be asked (services/rank/checkpoint_errors.py
-# StoreUnavailable, a transfer cut): an outage, never a finding about a version's bytes.
-_STORE_OUTAGE_CAUSES = frozenset({route_pb2.FailureCause.FAILURE_UNAVAILABLE, route_pb2.FailureCause.FAILURE_TIMEOUT})
 
 
 def _no_rebuild(job: _Job, report: control_pb2.FaultReport) -> str:
@@ -210,8 +207,7 @@ def load_outage(incident: _Incident, report: control_pb2.FaultReport) -> bool:
     fault of the recovery (a paused store was decided as ``checkpoint_error``: a restart spent,
     the job rolled back)."""
     return (
-        report.fault_class == "checkpoint_error"
-        and report.cause in _STORE_OUTAGE_CAUSES
+        fd.load_outage(report)
         and incident.phase == RESTORING
         and incident.relaunched
         and not incident.reload
