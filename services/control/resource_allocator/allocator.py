@@ -10,6 +10,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from services.contract import control_pb2, engine_pb2
@@ -89,7 +90,11 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
     # ------------------------------------------------------------ commands (L1-1)
 
     def allocate_resources(
-        self, msg: control_pb2.AllocateResources, payload: Any = None
+        self,
+        msg: control_pb2.AllocateResources,
+        payload: Any = None,
+        *,
+        prefer: Sequence[Sequence[tuple[str, int | None]]] = (),
     ) -> control_pb2.ResourcesReady | control_pb2.ResourcesInsufficient:
         """全局资源初始化指令: lay out ``world_size`` ranks and launch them.
 
@@ -169,11 +174,16 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 if held:
                     reason += f" ({'; '.join(self._holds[w] for w in held)})"
                 return self._insufficient(msg, free, reason, kind)
-            picks: list[tuple[_Worker, int]] = []
-            for w in usable:
-                for slot in w.free_slots():
-                    if len(picks) < msg.world_size and _of_kind(w, slot, kind) and _memory_quota(w, slot) >= need:
-                        picks.append((w, slot))
+            picks = _preferred(
+                [
+                    (w, s)
+                    for w in usable
+                    for s in w.free_slots()
+                    if _of_kind(w, s, kind) and _memory_quota(w, s) >= need
+                ],
+                prefer,
+                msg.world_size,
+            )
             kinds = {_device_kind(w, s) for w, s in picks}
             backend = msg.backend if msg.backend in ("gloo", "nccl") else ("nccl" if kinds == {"cuda"} else "gloo")
             if backend == "nccl" and kinds != {"cuda"}:
@@ -216,6 +226,7 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
                 peer = _memory_peer(usable, worker_id, memory_ring)
                 if peer is not None:
                     launch.memory_peer.CopyFrom(peer)
+                    self._placed[msg.job_id].peers[worker_id] = peer.worker_id
                 probe = _link_probe(spec.links, rank_nodes, self._workers, worker_id, probe_ring)
                 if probe is not None:
                     launch.link_probe.CopyFrom(probe)
@@ -365,3 +376,29 @@ class ResourceAllocator(Registry, Cordons, Rebuild):
         with socket.socket() as s:
             s.bind((self._control_host, 0))
             return s.getsockname()[1]
+
+
+def _preferred(
+    candidates: list[tuple[_Worker, int]], prefer: Sequence[Sequence[tuple[str, int | None]]], n: int
+) -> list[tuple[_Worker, int]]:
+    """``n`` of the free ``candidates`` (worker, slot; registration order) by rank: rank r on
+    the first of ``prefer[r]`` (a relaunch's: the worker id and slot it ran on, then the node
+    that holds its memory copy, any slot: None) that is among them, the other ranks on the
+    first ones left. A rank relaunched where its memory copy is reads its state from memory
+    (issue 29 item 8); placed in registration order, a worker freed meanwhile took rank 0 and
+    moved every rank one node on, and a lost node's rank landed where no copy was (ci14). The
+    caller checked that ``candidates`` hold ``n``."""
+    by_slot = {(w.reg.worker_id, s): (w, s) for w, s in candidates}
+    picks: list[tuple[_Worker, int] | None] = [None] * n
+    # Each rank's first choice before any rank's second: a lost node's rank sent to the copy's
+    # node takes no slot a rank of that node ran on.
+    for choice in range(max((len(a) for a in prefer[:n]), default=0)):
+        for r, alternatives in enumerate(prefer[:n]):
+            if picks[r] is not None or choice >= len(alternatives):
+                continue
+            worker_id, slot = alternatives[choice]
+            if slot is None:  # (any free slot of that worker: a few lost ranks, a scan each)
+                slot = next((s for w, s in by_slot if w == worker_id), None)
+            picks[r] = by_slot.pop((worker_id, slot), None) if slot is not None else None
+    rest = iter(c for c in candidates if (c[0].reg.worker_id, c[1]) in by_slot)
+    return [p if p is not None else next(rest) for p in picks]

@@ -53,8 +53,12 @@ class Rebuild:
         again.exclude_worker_ids[:] = sorted(set(again.exclude_worker_ids) | set(msg.exclude_worker_ids))
         with self._lock:  # (the relaunched ranks' generation will be larger still)
             fence = self._next_generation(msg.job_id)
+            ran = self._placed.get(msg.job_id)
+            # Each rank back where its memory copy is: its own node, else (gone) the node that
+            # holds a copy of its state, any slot there.
+            prefer = [[(w, slot), (ran.peers.get(w, ""), None)] for w, slot in (ran.ranks if ran is not None else [])]
         self.release_resources(control_pb2.ReleaseResources(job_id=msg.job_id, kill=True), below_generation=fence)
-        placed = self.allocate_resources(again)
+        placed = self.allocate_resources(again, prefer=prefer)
         if isinstance(placed, control_pb2.ResourcesInsufficient):
             with self._lock:
                 self._allocations.setdefault(msg.job_id, again)

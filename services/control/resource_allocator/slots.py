@@ -44,6 +44,10 @@ class _Placement:
     # (worker id, slot) -> its kind ("gpu"/"cpu") when a rank was placed there: what ``_placed``
     # counts a rank by once its worker is gone (a loss not yet reported for every rank).
     kinds: dict[tuple[str, int], str] = field(default_factory=dict)
+    # worker id -> the memory peer its node agent was told at launch (None: none): the node that
+    # holds a copy of its ranks' state, where a rank whose own node is gone is relaunched first
+    # (``ResourceAllocator.rebuild_communicator``). Unknown after a control restart.
+    peers: dict[str, str] = field(default_factory=dict)
 
 
 def _reachable_host(reg: control_pb2.WorkerRegistration) -> str:
