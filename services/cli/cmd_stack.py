@@ -288,9 +288,9 @@ def _drain_running_jobs(timeout_s: float) -> bool:
                 f"{len(running)} job{'s' if len(running) > 1 else ''} running: {names}; draining "
                 "(checkpoint, then PAUSED; `surgectl up` resumes them; `surgectl down --force` skips this)"
             )
-        if paused:  # (was: listed as running, "`surgectl up` resumes them"; `up` leaves a pause as it is)
+        if paused:  # (what `up` does with each is said once it is drained: drain.drain)
             names = ", ".join(j.job_id for j in paused)
-            _say(f"PAUSED: {names}; stays PAUSED after `surgectl up` (`surgectl resume JOB` continues it)")
+            _say(f"PAUSED: {names}; checkpointing")
         if drained:  # (an earlier `down`'s drain, interrupted)
             _say(f"drained already: {', '.join(drained)}; `surgectl up` resumes them")
         try:

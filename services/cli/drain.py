@@ -92,7 +92,17 @@ def drain(stub, jobs: list[control_pb2.JobStatus], timeout_s: float, say: Callab
             if status.state == JobState.TERMINATED or (job_id in asked and status.state == JobState.PAUSED):
                 if status.state == JobState.PAUSED:
                     drained.append(job_id)
-                    say(f"{job_id}: PAUSED at step {status.step} ({status.checkpoint_version or 'no checkpoint'})")
+                    # What `up` does with it, read from control's answer to the drain: a drain's own
+                    # pause (a running job's; a refused drain's, asked again) is resumed, an operator's
+                    # stays (said before the drain from the status it had: wrong for the second).
+                    then = (
+                        "`surgectl up` resumes it"
+                        if status.drained
+                        else f"stays PAUSED after `surgectl up` (`surgectl resume {job_id}` continues it)"
+                    )
+                    say(
+                        f"{job_id}: PAUSED at step {status.step} ({status.checkpoint_version or 'no checkpoint'}); {then}"
+                    )
                 else:
                     say(f"{job_id}: ended meanwhile ({JobOutcome.Name(status.outcome)})")
                 pending.pop(job_id)

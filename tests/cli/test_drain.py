@@ -26,9 +26,10 @@ class FakeControl:
     """GetJob answers each job's scripted states in turn (the last one repeats);
     PauseJob records the drain and answers the job's current state."""
 
-    def __init__(self, scripts: dict[str, list[int]]):
+    def __init__(self, scripts: dict[str, list[int]], operators: tuple[str, ...] = ()):
         self.scripts = {j: list(states) for j, states in scripts.items()}
         self.paused: list[str] = []
+        self.operators = operators  # paused by the operator: `up` leaves them PAUSED (not drained)
 
     def _now(self, job_id: str) -> control_pb2.JobStatus:
         states = self.scripts[job_id]
@@ -39,7 +40,7 @@ class FakeControl:
             step=7,
             checkpoint_version=f"{job_id}:1",
             checkpoint_step=7,
-            drained=state == JobState.PAUSED,
+            drained=state == JobState.PAUSED and job_id not in self.operators,
         )
 
     def GetJob(self, query, timeout=None):
@@ -80,7 +81,7 @@ def test_running_and_paused_jobs_are_drained_a_warming_up_one_once_it_runs_a_rec
     assert sorted(drained) == ["paused", "run", "warm"]
     assert sorted(control.paused) == ["paused", "run", "warm"]  # each asked once, frozen never
     assert any(line.startswith("frozen: FAULT_FROZEN") and "not drained" in line for line in said)
-    assert "run: PAUSED at step 7 (run:1)" in said
+    assert "run: PAUSED at step 7 (run:1); `surgectl up` resumes it" in said
 
 
 def test_a_job_that_does_not_pause_in_time_leaves_the_stack_running_with_one_line(monkeypatch):
@@ -317,3 +318,17 @@ def test_a_forced_down_names_the_version_up_resumes_from_read_once_the_ranks_are
         "ckpt-1: `surgectl up` resumes it from its newest checkpoint that verifies (when parked: ckpt-1:1, "
         "step 10); the steps after it are lost"
     ]
+
+
+def test_each_drained_job_says_what_up_does_with_it_from_controls_answer():
+    """A fresh user's second `down` (the first refused: the store away) said "stays PAUSED
+    after `surgectl up`" of the drain's own pause, read from its status before the drain; `up`
+    resumed it. What `up` does is read from control's answer to the drain."""
+    control = FakeControl({"own": [JobState.PAUSED], "held": [JobState.PAUSED]}, operators=("held",))
+    said: list[str] = []
+    drain.drain(control, [job("own", JobState.PAUSED), job("held", JobState.PAUSED)], 10.0, said.append)
+    assert "own: PAUSED at step 7 (own:1); `surgectl up` resumes it" in said
+    assert (
+        "held: PAUSED at step 7 (held:1); stays PAUSED after `surgectl up` (`surgectl resume held` continues it)"
+        in said
+    )
