@@ -146,6 +146,30 @@ def test_a_job_stopped_with_no_checkpoint_says_submit_again_not_resume(plane):
     ), s.message
 
 
+def test_a_stop_whose_checkpoint_failed_says_how_many_steps_are_lost(plane, store):
+    # (a fresh user's `stop` with the store killed: "resume continues from J:623 (step 13820)"
+    # of a job stopped at 13888, the 68 steps between said nowhere)
+    job_id, a, b = running_job(plane)
+    saved(plane, a, job_id, 1, 4)
+    step(plane, a, job_id, 6)
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    agreed = engine_pb2.StepCompleted(step=8, loss=2.0, tokens=64, commands_agreed=1)  # (the stop's boundary)
+    plane.rank_event(a, job_id, 0, step=agreed)
+    failed = store_pb2.SnapshotFailed(
+        job_id=job_id, operation="save", step=8, cause=store_pb2.UNREACHABLE, reason="store unreachable"
+    )
+    plane.rank_event(a, job_id, 0, snapshot_failed=failed)
+    for rank, session in ((0, a), (1, b)):
+        plane.rank_event(
+            session, job_id, rank, finished=engine_pb2.TrainingLoopFinished(rank=rank, step=8, stopped=True)
+        )
+    s = plane.get(job_id)
+    assert s.message == (
+        f"STOPPED: all ranks stopped at step 8; `surgectl resume` continues from checkpoint {job_id}:1 (step 4); "
+        "the 4 steps after it are lost (its stop's checkpoint could not be saved)"
+    ), s.message
+
+
 def test_a_stopped_job_resumes_from_its_newest_verified_checkpoint_as_a_new_generation(plane, store):
     job_id, a, b = stopped_job(plane, store, at=6)
     s = plane.get(job_id)

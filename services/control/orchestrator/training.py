@@ -379,6 +379,10 @@ class RankEvents:
                     if _usable(job)
                     else "; no checkpoint to resume from: `surgectl submit` starts it again"
                 )
+                lost = job.status.step - max((step for step, _ in _usable(job)), default=job.status.step)
+                if lost > 0:  # (a stop's checkpoint that failed, the store away, was said nowhere: a fresh user)
+                    why = "its stop's checkpoint could not be saved" if job.boundary_failed else "not checkpointed"
+                    then += f"; the {lost} step{'s' if lost > 1 else ''} after it are lost ({why})"
             self._terminate(job, outcome, f"all ranks {how} at step {job.status.step}{then}", kill=False)
             if not stopped:
                 self._hooks_on_finish(job)  # (eval.hooks: eval_hooks.py)
