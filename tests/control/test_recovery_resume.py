@@ -100,6 +100,31 @@ def test_a_recovery_whose_relaunch_was_done_waits_for_the_relaunched_ranks_after
     journal.close()
 
 
+def test_a_recovery_waiting_for_the_store_when_control_restarts_says_its_relaunch_was_not_commanded_yet(
+    tmp_path,
+    store,  # noqa: F811
+):
+    # (a fresh user read "its relaunch was commanded but not confirmed" of a recovery that was
+    # still waiting for the store when control was restarted)
+    db = tmp_path / "control.db"
+    plane, journal = open_plane(db)
+    job_id, w = running(plane, "wa", "wb", extra=POLICY)
+    saved(plane, w["wa"], job_id, 1, step=4)
+    store.down = True
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    assert plane.get(job_id).message.startswith("waiting for the store")
+    journal.close()
+
+    plane, journal = open_plane(db)
+    said = [m for m in messages(plane, job_id, "state") if "control restarted mid-recovery" in m]
+    assert said and said[-1].endswith(
+        "its relaunch was not commanded yet (it was waiting for the store to answer); waiting for the ranks to "
+        "re-attach, then it goes on (a rank missing: relaunched)"
+    ), said
+    stop(plane, job_id)
+    journal.close()
+
+
 def test_a_relaunch_that_reached_the_agents_before_the_restart_is_not_repeated(tmp_path, store, monkeypatch):  # noqa: F811
     db = tmp_path / "control.db"
     plane, journal = open_plane(db)

@@ -12,6 +12,9 @@ from services.control.orchestrator.job import (
     REATTACH_MESSAGE,
     RESTART_MESSAGE,
     RESUME_MESSAGE,
+    VERIFYING,
+    WAITING_CAPACITY,
+    WAITING_STORE,
     JobState,
     _Incident,
     _Job,
@@ -21,6 +24,13 @@ from services.control.orchestrator.layout import _set_layout
 from services.jobspec import (
     spec_from_json,
 )
+
+# The recovery steps before its placement, as a restored incident's record says them.
+_BEFORE_PLACEMENT = {
+    VERIFYING: "it was asking the store which checkpoints verify",
+    WAITING_STORE: "it was waiting for the store to answer",
+    WAITING_CAPACITY: "it was waiting for free slots",
+}
 
 
 class JournalRestore:
@@ -134,8 +144,14 @@ class JournalRestore:
                     continue
                 incident = job.incident
                 what = f"{incident.action} after {incident.fault_class} of rank {incident.cause.rank}"
+                before = _BEFORE_PLACEMENT.get(incident.phase)
                 if incident.relaunched:
                     how = "its ranks were relaunched; waiting for them to re-attach and report ready"
+                elif before:  # (a fresh user read "commanded but not confirmed" of a recovery waiting for the store)
+                    how = (
+                        f"its relaunch was not commanded yet ({before}); waiting for the ranks to re-attach, "
+                        "then it goes on (a rank missing: relaunched)"
+                    )
                 else:
                     how = (
                         "its relaunch was commanded but not confirmed; waiting for the ranks to re-attach "
