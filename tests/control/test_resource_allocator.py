@@ -179,7 +179,7 @@ def test_a_relaunch_puts_each_rank_back_where_it_ran_when_that_slot_is_still_the
 def test_a_lost_nodes_rank_is_relaunched_on_the_node_that_holds_its_memory_copy(plane):
     # wb's memory peer is wc (the next registered worker): wc holds the copy of rank 0's state.
     # Placed in registration order it went to wa, where no copy was (ci14's flaky memory test).
-    a, b, c = plane.register("wa"), plane.register("wb"), plane.register("wc", slots=2)
+    plane.register("wa"), plane.register("wb"), plane.register("wc", slots=2)
     allocate(plane, "other", dp=1)  # wa
     first = allocate(plane, "j-1", dp=2)  # wb, wc
     assert list(first.rank_worker_ids) == ["wb", "wc"]
