@@ -389,16 +389,23 @@ def _preferred(
     moved every rank one node on, and a lost node's rank landed where no copy was (ci14). The
     caller checked that ``candidates`` hold ``n``."""
     by_slot = {(w.reg.worker_id, s): (w, s) for w, s in candidates}
+    slots_of: dict[str, list[int]] = {}  # worker id -> its free slots, last first (taken lazily)
+    for w, s in reversed(candidates):
+        slots_of.setdefault(w.reg.worker_id, []).append(s)
     picks: list[tuple[_Worker, int] | None] = [None] * n
     # Each rank's first choice before any rank's second: a lost node's rank sent to the copy's
-    # node takes no slot a rank of that node ran on.
+    # node takes no slot a rank of that node ran on. O(ranks + slots): no scan per rank (a
+    # relaunch of 8,192 ranks after a control restart knows no copy's node for any of them).
     for choice in range(max((len(a) for a in prefer[:n]), default=0)):
         for r, alternatives in enumerate(prefer[:n]):
             if picks[r] is not None or choice >= len(alternatives):
                 continue
             worker_id, slot = alternatives[choice]
-            if slot is None:  # (any free slot of that worker: a few lost ranks, a scan each)
-                slot = next((s for w, s in by_slot if w == worker_id), None)
+            if slot is None:  # (any free slot of that worker)
+                free = slots_of.get(worker_id, [])
+                while free and (worker_id, free[-1]) not in by_slot:
+                    free.pop()  # (taken by a rank's own choice meanwhile)
+                slot = free.pop() if free else None
             picks[r] = by_slot.pop((worker_id, slot), None) if slot is not None else None
     rest = iter(c for c in candidates if (c[0].reg.worker_id, c[1]) in by_slot)
     return [p if p is not None else next(rest) for p in picks]
