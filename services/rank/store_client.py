@@ -402,7 +402,7 @@ class StoreClient(SaveAgreement, BackgroundCommit, ChunkIO, ProfileUpload):
         try:
             # Waited for while the store answers (store_liveness.py): a store stopped under the
             # load is found silent within SURGE_STORE_RPC_TIMEOUT_S, not after LOAD_TIMEOUT_S,
-            # and its typed outage is L1-1's to wait out (triage.py ``load_outage``).
+            # and its typed outage is L1-1's to wait out (fault_decision.py ``load_outage``).
             loaded = self._rpc("Load", self._stub.Load, msg, LOAD_TIMEOUT_S, live=True, breaker=False)
         except CheckpointError as e:  # (a plain one: the store refused the request)
             self._report("load", getattr(e, "cause", store_pb2.REJECTED), str(e), version=msg.version, error=e)

@@ -224,7 +224,7 @@ class Recovery:
 
     def _load_outage(self, job: _Job, incident: _Incident, msg: control_pb2.FaultReport, text: str) -> None:
         """A relaunched rank could not load the incident's version: the store did not answer
-        (triage.py ``load_outage``). The store's outage, not the recovery's fault: no decision,
+        (triage.py ``_relaunch_load_outage``). The store's outage, not the recovery's fault: no decision,
         no restart spent. The relaunch is placed again once the store answers: the recovery
         goes back to asking the store (its verification, waited for with backoff up to
         ``fault_policy.store_wait_seconds``, then the policy's ``store_unreachable``), and until

@@ -200,7 +200,7 @@ def awaits_relaunch(incident: _Incident, rank: int) -> bool:
     return incident.action not in IN_PLACE_ACTIONS or rank in incident.lost
 
 
-def load_outage(incident: _Incident, report: control_pb2.FaultReport) -> bool:
+def _relaunch_load_outage(incident: _Incident, report: control_pb2.FaultReport) -> bool:
     """Whether ``report`` is a relaunched rank's load that failed because the store could not be
     asked, while ``incident`` restores from a version (the ranks were relaunched to load it; a
     rebuild or a rollback in place loads nothing from a relaunch): the store's outage, not a
@@ -288,6 +288,6 @@ def triage(report: control_pb2.FaultReport, job: _Job) -> Triage:
         return NORMAL_END  # its loop reported finished first: the normal end of that rank
     if incident is not None and _ended_already(incident, report):
         return CONSEQUENCE  # (its exit came first: what it reports is of the incarnation that ended)
-    if incident is not None and load_outage(incident, report):
+    if incident is not None and _relaunch_load_outage(incident, report):
         return STORE_WAIT
     return NEW_INCIDENT
