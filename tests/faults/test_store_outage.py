@@ -37,9 +37,7 @@ PACE = 2.0
 PACED = ",".join(f"drestart:slow_steps@21:rank={r}:seconds={PACE:g}" for r in (0, 1))
 # "sload": rank 1's load in the recovery's relaunch waits 6 s before it asks the store (the
 # test kills the store meanwhile); rank 0 waits before step 9 until the test lifts the pace.
-LOAD = ",".join(
-    f"{n}:slow_load@0:rank=1:seconds=6,{n}:slow_steps@9:rank=0:seconds=90" for n in ("sloadk", "sloads", "sresume")
-)
+LOAD = ",".join(f"{n}:slow_load@0:rank=1:seconds=6,{n}:slow_steps@9:rank=0:seconds=90" for n in ("sloadk", "sresume"))
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +45,7 @@ def stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("surge-store-outage"),
         ("json", "email"),
-        ("sstop", "skill", "dcalm", "drestart", "sdrain", "sloadk", "sloads", "sresume"),
+        ("sstop", "skill", "dcalm", "drestart", "sdrain", "sloadk", "sresume"),
         env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S), "SURGE_FAULT_INJECT": f"{PACED},{LOAD}"},
     ) as s:
         yield s
@@ -181,7 +179,7 @@ def test_a_store_killed_and_restarted_under_a_job_costs_no_restart_and_no_metric
     assert_every_step_once(stack, job, last)
 
 
-@pytest.mark.parametrize("how", ["killed", "stopped"])
+@pytest.mark.parametrize("how", ["killed"])  # (a stopped store: the resume's test below, the suite's time)
 def test_a_store_down_during_a_recoverys_load_is_waited_for_and_spends_no_restart(stack, how):
     # A rank killed after the step-8 commit: restart_ranks relaunches both ranks to load it;
     # rank 1's load waits (slow_load) and the store is killed (then restarted) or stopped
@@ -226,21 +224,21 @@ def test_a_store_down_during_a_recoverys_load_is_waited_for_and_spends_no_restar
     assert_every_step_once(stack, job, 16)
 
 
-def test_a_store_killed_during_a_resumes_load_relaunches_the_ranks_and_spends_no_restart(stack):
+def test_a_store_stopped_during_a_resumes_load_relaunches_the_ranks_and_spends_no_restart(stack):
     # An operator's resume (as `up` resuming a drained job, and a rollback in place: no recovery
     # in flight) whose load the store did not answer: decided as the policy's checkpoint_error
     # before, a rollback spending its budget (a fresh user, session 42; with a budget of 0 the
-    # job FAILED). Now every rank is relaunched once the store answers, no restart spent.
+    # job FAILED). Now every rank is relaunched once the store answers, no restart spent. The
+    # store is stopped (SIGSTOP): the load finds it silent in a probe window (cause timeout).
     job = stack.submit(spec("sresume", steps=16, every=4))
     stack.wait_step(job, 8)  # (rank 0 waits before step 9 until the pace is lifted)
-    stopped = cli(stack.home, "stop", job)
-    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job))
     assert stack.events(job)[-1].status.outcome == JobOutcome.STOPPED
-    resumed = cli(stack.home, "resume", job)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    stack.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job))
     marker = stack.home / "run" / "faults" / f"{job}.rank1.slow_load@0"
     wait_for(marker.exists, 120, "the resumed rank 1's load")
-    os.kill(store_pid(stack.home), signal.SIGKILL)
+    store = store_pid(stack.home)
+    stop_process(store)
     try:
         said = wait_for(
             lambda: [m for m in of_type(events_so_far(stack, job), "decision") if "the store did not answer" in m],
@@ -248,9 +246,8 @@ def test_a_store_killed_during_a_resumes_load_relaunches_the_ranks_and_spends_no
             "the decision on the load the store did not answer",
         )
         assert said[0].startswith("restart_ranks after checkpoint_error of rank 1") and "no restart spent" in said[0]
-        back = cli(stack.home, "restart", "store", timeout=120)
-        assert back.returncode == 0, back.stdout + back.stderr
     finally:
+        os.kill(store, signal.SIGCONT)
         lift_pace(stack.home / "run" / "faults", job)
     events = stack.events(job)
     finished(events)
