@@ -37,7 +37,9 @@ PACE = 2.0
 PACED = ",".join(f"drestart:slow_steps@21:rank={r}:seconds={PACE:g}" for r in (0, 1))
 # "sload": rank 1's load in the recovery's relaunch waits 6 s before it asks the store (the
 # test kills the store meanwhile); rank 0 waits before step 9 until the test lifts the pace.
-LOAD = ",".join(f"{n}:slow_load@0:rank=1:seconds=6,{n}:slow_steps@9:rank=0:seconds=90" for n in ("sloadk", "sresume"))
+LOAD = ",".join(
+    f"{n}:slow_load@0:rank=1:seconds=6,{n}:slow_steps@9:rank=0:seconds=90" for n in ("sloadk", "sloads", "sresume")
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def stack(tmp_path_factory):
     with running_stack(
         tmp_path_factory.mktemp("surge-store-outage"),
         ("json", "email"),
-        ("sstop", "skill", "dcalm", "drestart", "sdrain", "sloadk", "sresume"),
+        ("sstop", "skill", "dcalm", "drestart", "sdrain", "sloadk", "sloads", "sresume"),
         env={"SURGE_STORE_RPC_TIMEOUT_S": str(RPC_TIMEOUT_S), "SURGE_FAULT_INJECT": f"{PACED},{LOAD}"},
     ) as s:
         yield s
