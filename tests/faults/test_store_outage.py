@@ -223,7 +223,13 @@ def test_a_store_down_during_a_recoverys_load_is_waited_for_and_spends_no_restar
     assert loads and all("(consequence of" in m or m.startswith("SEVERE") for m in loads), loads
     relaunches = [m for m in of_type(events, "recovery") if m.startswith("ranks killed and relaunched")]
     assert len(relaunches) == 2, relaunches  # the decision's, and the one after the store came back
-    assert_every_step_once(stack, job, 16)
+    # Rank 0 every step once; rank 1 was SIGKILLed by the test: the records its node agent had not
+    # yet taken from it (up to the stream's linger: steps 5-8 in ci20) went with it. After the
+    # relaunch (from step 8), every step once.
+    records = stack.step_records(job, at_least=16, rank=0)
+    assert sorted(r["step"] for r in records if r["rank"] == 0) == list(range(1, 17))
+    ones = [r["step"] for r in records if r["rank"] == 1]
+    assert len(ones) == len(set(ones)) and set(range(9, 17)) <= set(ones), ones
 
 
 def test_a_store_stopped_during_a_resumes_load_relaunches_the_ranks_and_spends_no_restart(stack):
