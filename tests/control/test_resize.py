@@ -120,6 +120,17 @@ def test_a_lost_node_with_no_spare_shrinks_the_job_and_a_new_worker_grows_it_bac
     assert [type(m).__name__ for m in (to_ranks(c) for c in drain(wd)) if m is not None] == ["StartTraining"]
 
 
+def scaled_to_one(plane: Plane, job_id: str, w: dict, generation: int) -> None:
+    """`surgectl scale JOB --dp 1` of a dp 2 job on wa, wb: its ranks pause, rank 1's release
+    is its exit, rank 0 rebuilds alone and reports ready (``generation``)."""
+    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
+    (pause,) = routed(w["wa"], "PauseTraining")
+    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
+    ev = control_pb2.RankExited(job_id=job_id, rank=1, exit_code=-9, released=True)
+    plane.c.sessions.on_worker_event(w["wb"], control_pb2.WorkerEvent(rank_exited=ev))
+    ready(plane, job_id, {0: w["wa"]}, step=pause.at_step, generation=generation)
+
+
 def test_surgectl_scale_grows_and_shrinks_a_running_job_without_touching_the_ranks_that_stay(plane):
     job_id, w = running(plane, "wa", "wb", "wc", "wd", dp=2, extra="")
     for session in w.values():
@@ -168,12 +179,7 @@ def test_the_node_of_a_rank_kept_by_a_shrink_lost_later_is_its_fault_not_a_repla
     job_id, w = running(plane, "wa", "wb", dp=2, extra="")
     for session in w.values():
         drain(session)
-    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
-    (pause,) = routed(w["wa"], "PauseTraining")
-    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
-    ev = control_pb2.RankExited(job_id=job_id, rank=1, exit_code=-9, released=True)
-    plane.c.sessions.on_worker_event(w["wb"], control_pb2.WorkerEvent(rank_exited=ev))
-    ready(plane, job_id, {0: w["wa"]}, step=pause.at_step, generation=2)
+    scaled_to_one(plane, job_id, w, generation=2)
     assert plane.get(job_id).world_size == 1
     plane.c.sessions.close(w["wa"])  # rank 0's node agent is lost
     said = decisions(plane, job_id)
@@ -423,12 +429,7 @@ def test_a_shrink_by_scale_starts_the_job_queued_for_the_slots_it_frees(plane):
     assert waiting.queue_position == 1
     for session in w.values():
         drain(session)
-    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=1))
-    (pause,) = routed(w["wa"], "PauseTraining")
-    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
-    ev = control_pb2.RankExited(job_id=job_id, rank=1, exit_code=-9, released=True)
-    plane.c.sessions.on_worker_event(w["wb"], control_pb2.WorkerEvent(rank_exited=ev))
-    ready(plane, job_id, {0: w["wa"]}, step=pause.at_step, generation=1)
+    scaled_to_one(plane, job_id, w, generation=1)
     assert plane.get(job_id).dp == 1
     settle(lambda: plane.get(waiting.job_id).queue_position, 0)
     launched = [m for k, m in commands(w["wb"]) if k == "launch" and m.job_id == waiting.job_id]
