@@ -30,7 +30,6 @@ from services.control.orchestrator.layout import (
     _layout_change,
     _layout_flags,
     _new_layout,
-    _set_layout,
     _set_size,
 )
 from services.control.orchestrator.refusals import IllegalTransition, InsufficientResources, UnknownVersion
@@ -401,8 +400,8 @@ class OperatorResume:
             s.outcome, s.drained, s.step, s.checkpoint_version = JobOutcome.OUTCOME_UNSPECIFIED, False, step, version
             s.preempted_by = ""  # (PREEMPTED no more: its ranks launch again)
             layout = "" if spec is None else f" at a new layout: {_layout_change(job.spec, spec)}"
-            job.spec, s.world_size = new, new.world_size
-            _set_layout(s, new)
+            job.spec = new
+            _set_size(s, new)
             s.placed_by_kind.CopyFrom(reply.placed)  # (where an ``any`` job landed this time: teams.py)
             s.borrowed_slots = self._borrowed_of(job)  # (teams.py: beyond its team's nominal now)
             self._faults(start_monitoring(job_id, job.spec))

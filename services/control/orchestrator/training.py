@@ -374,12 +374,13 @@ class RankEvents:
             # when that save was skipped or not asked for).
             then = ""
             if stopped:  # (no version to continue from: `resume` refuses it, so it is not suggested)
+                usable = _usable(job)
                 then = (
                     f"; `surgectl resume` continues from {_newest(job)}"
-                    if _usable(job)
+                    if usable
                     else "; no checkpoint to resume from: `surgectl submit` starts it again"
                 )
-                lost = job.status.step - max((step for step, _ in _usable(job)), default=job.status.step)
+                lost = job.status.step - max((step for step, _ in usable), default=job.status.step)
                 if lost > 0:  # (a stop's checkpoint that failed, the store away, was said nowhere: a fresh user)
                     why = "its stop's checkpoint could not be saved" if job.boundary_failed else "not checkpointed"
                     then += f"; the {lost} step{'s' if lost > 1 else ''} after it are lost ({why})"
