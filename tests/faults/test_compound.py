@@ -87,10 +87,15 @@ def events_so_far(stack, job_id: str) -> list[control_pb2.JobEvent]:
     return list(stack.stub.WatchJob(q, timeout=30))
 
 
-def committed_versions(events) -> list[tuple[int, str]]:
+def committed_versions(events, verified: bool = False) -> list[tuple[int, str]]:
+    """(step, version) of each commit whose report control applied; ``verified``: and of each
+    version the store's verification found committed, its report not (yet) arrived (a recovery
+    that verifies the store before a commit's report comes in records it so, and the report,
+    arriving later, is then recorded nowhere: the version is known)."""
     out = []
     for m in of_type(events, "checkpoint"):
-        if m.startswith("checkpoint ") and " at step " in m and "bytes" in m:
+        found = verified and " verified: committed by the store" in m
+        if m.startswith("checkpoint ") and " at step " in m and ("bytes" in m or found):
             version, rest = m[len("checkpoint ") :].split(" at step ", 1)
             out.append((int(rest.split(" ", 1)[0]), version))
     return out

@@ -37,8 +37,11 @@ PACE = 2.0
 PACED = ",".join(f"drestart:slow_steps@21:rank={r}:seconds={PACE:g}" for r in (0, 1))
 # "sload": rank 1's load in the recovery's relaunch waits 6 s before it asks the store (the
 # test kills the store meanwhile); rank 0 waits before step 9 until the test lifts the pace.
+# "sresume" is stopped at step 8 or so: its rank 0 is only slowed from step 9 (1 s a step), so
+# that the stop's boundary comes (held there, the stop waited for the 60 s stall deadline).
 LOAD = ",".join(
-    f"{n}:slow_load@0:rank=1:seconds=6,{n}:slow_steps@9:rank=0:seconds=90" for n in ("sloadk", "sloads", "sresume")
+    [f"{n}:slow_load@0:rank=1:seconds=6,{n}:slow_steps@9:rank=0:seconds=90" for n in ("sloadk", "sloads")]
+    + ["sresume:slow_load@0:rank=1:seconds=6,sresume:slow_steps@9:rank=0:seconds=1"]
 )
 
 
@@ -239,9 +242,11 @@ def test_a_store_stopped_during_a_resumes_load_relaunches_the_ranks_and_spends_n
     # job FAILED). Now every rank is relaunched once the store answers, no restart spent. The
     # store is stopped (SIGSTOP): the load finds it silent in a probe window (cause timeout).
     job = stack.submit(spec("sresume", steps=16, every=4))
-    stack.wait_step(job, 8)  # (rank 0 waits before step 9 until the pace is lifted)
+    stack.wait_step(job, 8)  # (rank 0 takes 1 s a step from step 9 until the pace is lifted)
     stack.stub.StopJob(control_pb2.StopJobRequest(job_id=job))
-    assert stack.events(job)[-1].status.outcome == JobOutcome.STOPPED
+    events = stack.events(job)
+    assert events[-1].status.outcome == JobOutcome.STOPPED
+    assert [e for e in events if e.type == "fault"] == []  # (stopped at its boundary, not at a stall)
     stack.stub.ResumeJob(control_pb2.ResumeJobRequest(job_id=job))
     marker = stack.home / "run" / "faults" / f"{job}.rank1.slow_load@0"
     wait_for(marker.exists, 120, "the resumed rank 1's load")
