@@ -96,6 +96,7 @@ class RecoveryController:
                 in_place=msg.in_place,
                 lost_ranks=msg.lost_ranks,
                 layout=msg.layout if msg.HasField("layout") else None,
+                withdrawn_orders=msg.withdrawn_orders,
             )
         ).message
         if not isinstance(rebuilt, control_pb2.ResourcesReady):

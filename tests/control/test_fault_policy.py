@@ -619,6 +619,29 @@ def test_a_recovery_says_that_its_relaunched_ranks_hold_the_withdrawn_order_agai
     ], said
 
 
+def test_a_rebuild_in_place_keeps_a_withdrawal_and_launches_the_replacement_without_that_order(plane, store):
+    # The survivor keeps its process, and with it the withdrawal it agreed on: the replacement
+    # launched beside it holds the same orders (before: the policy's, so on an fp16 overflow the
+    # replacement skipped by its order while the survivor waited for L1-1's verdict).
+    job_id, w = running(plane, "wa", "wb", extra=REBUILD)
+    seq = plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+    plane.rank_event(
+        w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=8, loss=2.0, tokens=64, commands_agreed=seq)
+    )
+    drain(w["wa"]), drain(w["wb"])
+    plane.rank_exited(w["wb"], job_id, 1, exit_code=-9)
+    assert decisions(plane, job_id)[-1].startswith("rebuild after rank_exit of rank 1 on wb"), decisions(plane, job_id)
+    (launch,) = [m for k, m in commands(w["wb"]) if k == "launch"]
+    assert launch.init.heal_from_peer and [o.id for o in launch.init.standing_orders] == []
+    assert not [e.message for e in plane.events(job_id) if "withdrawn by the operator" in e.message]
+    for rank, session in ((0, w["wa"]), (1, w["wb"])):
+        started = engine_pb2.TrainingLoopStarted(rank=rank, start_step=8, rebuild_generation=1, healed=rank == 1)
+        plane.rank_event(session, job_id, rank, started=started)
+    assert plane.get(job_id).state == JobState.RUNNING
+    assert plane.c.orchestrator._withdraw_standing_order(job_id, 1) == seq  # (still withdrawn: nothing sent)
+    assert "RevokeStandingOrder" not in [k for s in w.values() for k in kinds(drain(s))]
+
+
 def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_keeps_a_withdrawal(tmp_path, store):
     # Rank 0 reports a NaN loss at step 6 (policy: ignore); control decides and dies. Rank 1
     # never got the verdict: its reminder reaches the restarted control, which sends the same

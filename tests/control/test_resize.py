@@ -12,6 +12,7 @@ import time
 import pytest
 
 from services.contract import control_pb2, engine_pb2, worker_pb2
+from services.control import fault_decision as fd
 from services.control.orchestrator import IllegalTransition, InsufficientResources
 from services.jobspec import JobSpecError, spec_from_json
 
@@ -169,6 +170,25 @@ def test_surgectl_scale_grows_and_shrinks_a_running_job_without_touching_the_ran
     done = [e.message for e in plane.events(job_id) if e.type == "scale"]
     assert done[-1].startswith(f"scale by the operator done: dp 4 -> 1 at step {pause.at_step}"), done
     assert decisions(plane, job_id)[-1].startswith("scale by the operator: parallel.dp 4 -> 1")
+
+
+def test_the_ranks_a_scale_adds_are_launched_without_a_standing_order_the_kept_ranks_had_withdrawn(plane):
+    job_id, w = running(plane, "wa", "wb", "wc", "wd", dp=2, extra="")
+    seq = plane.c.orchestrator._withdraw_standing_order(job_id, 1)
+    plane.rank_event(
+        w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=5, loss=2.0, tokens=64, commands_agreed=seq)
+    )
+    for session in w.values():
+        drain(session)
+    plane.user(control_pb2.ScaleJobRequest(job_id=job_id, dp=4))
+    (pause,) = routed(w["wa"], "PauseTraining")
+    drain(w["wb"])
+    paused(plane, job_id, {0: w["wa"], 1: w["wb"]}, step=pause.at_step)
+    (launch,) = [m for k, m in commands(w["wc"]) if k == "launch"]
+    assert [r.rank for r in launch.ranks] == [2] and launch.init.heal_from_peer
+    policy = spec_from_json(launch.init.spec_json).fault_policy
+    assert 1 in [o.id for o in fd.standing_orders(policy)]  # (the policy's: the job's first ranks held it)
+    assert 1 not in [o.id for o in launch.init.standing_orders], launch.init.standing_orders
 
 
 def test_the_node_of_a_rank_kept_by_a_shrink_lost_later_is_its_fault_not_a_replaced_incarnations_end(plane):

@@ -341,7 +341,8 @@ class _Job:
     verdicts: dict[tuple[int, int], engine_pb2.StepVerdict] = field(default_factory=dict)
     # StandingOrder.id -> (its RevokeStandingOrder's sequence number, the step after which this
     # generation's ranks no longer follow it: 0 until they report the boundary they agreed
-    # on); a relaunched generation gets the policy's orders again.
+    # on); kept through a rebuild or a reload in place (the ranks keep their processes), cleared
+    # where every rank is relaunched: that generation gets the policy's orders again.
     revoked: dict[int, tuple[int, int]] = field(default_factory=dict)
     queued: QueueEntry | None = None  # its place while it waits in the queue (journaled)
     # The layout (dp, micro_batch_size, grad_accum) a job shrunk by a fault grows back to as
@@ -444,3 +445,11 @@ def _rebuilding(scale: _Scale | None) -> bool:
 def checkpoint_step(job: _Job) -> int:
     """The step of the job's newest committed checkpoint (0: none): ``JobStatus.checkpoint_step``."""
     return next((st for st, v in job.versions if v == job.status.checkpoint_version), 0)
+
+
+def withdrawn(job: _Job) -> list[int]:
+    """The standing orders (StandingOrder.id) the job's live ranks agreed to withdraw (an
+    operator's revoke whose boundary passed): a rank launched beside them (a rebuild's
+    replacement, a grown rank) is launched without them. One still in flight is not among
+    them: it is sent again to every rank of the rebuilt group, the new one included."""
+    return sorted(order for order, (_, step) in job.revoked.items() if step)

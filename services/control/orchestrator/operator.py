@@ -438,9 +438,10 @@ class OperatorCommands:
         fault of its kind after it is decided by the policy, one verdict per fault.
 
         L1-1's one producer of RevokeStandingOrder (the loop's side: tests/engine), reached
-        from the operator's `surgectl revoke` (``revoke_order_request``). A relaunched
-        generation gets the policy's orders again in its InitJob: a withdrawal lasts for the
-        ranks it reached.
+        from the operator's `surgectl revoke` (``revoke_order_request``). A generation relaunched
+        whole gets the policy's orders again in its InitJob (said in the recovery's events); ranks
+        kept by a rebuild or a reload in place keep it withdrawn, and a rank launched beside them
+        (a replacement, a grown rank) is launched without it (``job.withdrawn``).
 
         Raises:
             JobNotFound, IllegalTransition: no such job, or it is not RUNNING or PAUSED.

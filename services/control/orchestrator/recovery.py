@@ -34,6 +34,7 @@ from services.control.orchestrator.job import (
     _Reload,
     _Scale,
     launched_on,
+    withdrawn,
 )
 from services.control.orchestrator.layout import _layout_change, _layout_msg, _layout_of, _shrink_to
 from services.control.orchestrator.texts import _overdue
@@ -164,14 +165,8 @@ class Recovery:
         job.started, job.paused, job.finished, job.placement = set(), set(), {}, {}  # (a new generation)
         job.launched = {}
         job.verdicts.clear()
-        if job.revoked:  # (said: the operator's withdrawal would otherwise come back unannounced)
-            names = ", ".join(fd.order_name(job.spec.fault_policy, o) for o in sorted(job.revoked))
-            self._record(
-                job, ORCH, "recovery",
-                f"standing order {names} withdrawn by the operator: the ranks this recovery launches get the "
-                f"fault policy's orders again (`surgectl revoke {job.status.job_id} CLASS` withdraws it again)",
-            )  # fmt: skip
-        job.revoked.clear()
+        # (job.revoked stays: ranks kept by a rebuild or a reload in place hold the withdrawal;
+        # it lapses where every rank is relaunched, ``_withdrawals_lapse``)
         job.pending = ""  # a pause in flight ends here: the incident keeps it (``paused``)
         # A drain ends here too: the recovered job is not `up`'s to resume (its ranks are new).
         job.draining = job.parked = job.parked_live = job.resume_after_pause = job.status.drained = False
@@ -372,6 +367,8 @@ class Recovery:
         if isinstance(last, vm.ReloadInPlace):
             self._reload_live(job, incident, last.version)
             return
+        if not in_place:
+            self._withdrawals_lapse(job)
         version, source = last.version, last.source
         incident.version = version
         incident.phase = PLACING
@@ -384,6 +381,7 @@ class Recovery:
                 in_place=in_place,
                 lost_ranks=incident.lost,
                 layout=_layout_msg(incident.shrunk) if incident.shrunk is not None else None,
+                withdrawn_orders=withdrawn(job) if in_place else [],
             )
         ).message
         if isinstance(reply, control_pb2.RecoveryCompleted):
@@ -422,6 +420,22 @@ class Recovery:
             source=source,
         )
         self._refused(job, incident, effects)
+
+    def _withdrawals_lapse(self, job: _Job) -> None:
+        """Under the lock, as every rank of the job is relaunched: the orders the operator
+        withdrew from the ranks being replaced are the policy's again in the new ones' InitJob
+        (said: they would otherwise come back unannounced). A rebuild or a reload in place
+        keeps them withdrawn: its ranks keep their processes (and a rank launched beside them
+        is launched without them, ``withdrawn``)."""
+        if not job.revoked:
+            return
+        names = ", ".join(fd.order_name(job.spec.fault_policy, o) for o in sorted(job.revoked))
+        self._record(
+            job, ORCH, "recovery",
+            f"standing order {names} withdrawn by the operator: the ranks this recovery launches get the "
+            f"fault policy's orders again (`surgectl revoke {job.status.job_id} CLASS` withdraws it again)",
+        )  # fmt: skip
+        job.revoked.clear()
 
     def _refused(self, job: _Job, incident: _Incident, effects: list) -> None:
         """Under the lock: perform ``relaunch_refused``'s effects, in order."""

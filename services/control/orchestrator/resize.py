@@ -10,7 +10,7 @@ from services.contract import control_pb2, engine_pb2
 from services.control.orchestrator import resize_machine as rzm
 from services.control.orchestrator.activity import FOLD, ScaleAsk, begin, end, idle, moved
 from services.control.orchestrator.grow_rule import Grower, arbitrate
-from services.control.orchestrator.job import JobState, _Job, _Scale, _where
+from services.control.orchestrator.job import JobState, _Job, _Scale, _where, withdrawn
 from services.control.orchestrator.layout import _layout_of, _set_layout
 from services.control.orchestrator.refusals import InsufficientResources
 from services.control.orchestrator.teams import kind_of, team_of
@@ -152,6 +152,7 @@ class Resizing:
         at the old size (resize_machine.py: ``all_paused``, then L1-4's answer)."""
         job_id = job.status.job_id
         scale, ask = rzm.all_paused(job.scale, job_id)
+        ask.withdrawn_orders.extend(withdrawn(job))  # (the grown ranks launch as the kept ones hold)
         moved(job, job.scale, scale)
         job.status.step = step  # (its pause is over: the slot's phase moved on)
         old_world = job.status.world_size

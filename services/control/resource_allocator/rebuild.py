@@ -171,6 +171,10 @@ class Rebuild:
                 init = engine_pb2.InitJob()
                 init.CopyFrom(allocated.init)
                 init.resume_version, init.heal_from_peer = "", True
+                if msg.withdrawn_orders:  # (the kept ranks no longer follow them: neither does a new one)
+                    kept = [o for o in init.standing_orders if o.id not in set(msg.withdrawn_orders)]
+                    del init.standing_orders[:]
+                    init.standing_orders.extend(kept)
                 threads = spec_from_json(init.spec_json).parallel.threads_per_rank
                 # Each node's ranks in rank order (LOCAL_RANK, LOCAL_WORLD_SIZE), once; the world's
                 # nodes are not sent: the ranks learn them at the rendezvous (node_map.py).
