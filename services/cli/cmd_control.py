@@ -270,11 +270,14 @@ def _scale_outcome(job: str, asked: float, wait_seconds: float) -> control_pb2.J
 def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     """Stop a job at the next step boundary, after checkpointing that step (unless
     --no-checkpoint); `surgectl resume` continues it from there. A queued job leaves the
-    queue (as with `surgectl cancel`).
+    queue (as with `surgectl cancel`). Refused, nothing changed, while the store does not
+    answer (the checkpoint would fail): again once it answers, or --no-checkpoint.
 
     Example: surgectl stop demo-3f2a1c
     """
     job = resolve_job(job)
+    if not no_checkpoint:
+        _store_for_the_stop_checkpoint(job)
     req = control_pb2.StopJobRequest(job_id=job, no_checkpoint=no_checkpoint)
     with stack.exit_on_interrupt(_again("stop", job)):
         s, ended = _stop_job(req)
@@ -289,6 +292,30 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
     render.console.print(
         f"{job}: stop requested; now {render.state_text(s)}{later}", markup=False, highlight=False, soft_wrap=True
     )
+
+
+def _store_for_the_stop_checkpoint(job: str) -> None:
+    """A running or paused job's stop checkpoints its step in the store. With the store not
+    answering its health check, the stop is refused and nothing changes, as `down`'s drain is
+    (before: the job stopped, the save failed, its steps after the newest checkpoint lost);
+    `--no-checkpoint` stops it knowingly. A queued or ended job needs no store.
+
+    Raises:
+        CliError: the store did not answer (exit 1).
+    """
+    s = clients.call("control", lambda st: st.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
+    if s.state not in (control_pb2.RUNNING, control_pb2.PAUSED):
+        return
+    outage = clients.store_outage()
+    if outage:
+        newest = f"checkpoint {s.checkpoint_version} (step {s.checkpoint_step})" if s.checkpoint_version else "none yet"
+        raise CliError(
+            f"not stopped: {job}'s stop checkpoints its step in the store, which did not answer its health "
+            f"check in {clients.STORE_PROBE_SECONDS:g} s ({outage}); `surgectl stop {job}` again once it "
+            f"answers, or `surgectl stop {job} --no-checkpoint` to stop it now, losing its steps after its "
+            f"newest checkpoint ({newest})",
+            unreachable=True,
+        )
 
 
 @app.command()

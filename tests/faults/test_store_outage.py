@@ -132,6 +132,13 @@ def _down_refused_then_drained(stack, job: str) -> None:
                 JobState.PAUSED, False, True
             ), status  # fmt: skip
             assert os.kill(store_pid(stack.home), 0) is None  # (down stopped nothing: the store is still there)
+        # `stop` refuses too, as `down` does (before: it stopped the job, its stop checkpoint
+        # failed and the steps since the newest checkpoint were lost).
+        r = cli(stack.home, "stop", job, timeout=60)
+        said = r.stderr.strip().splitlines()[-1]
+        assert r.returncode == 1 and said.startswith(f"error: not stopped: {job}'s stop checkpoints its step"), r
+        assert f"`surgectl stop {job} --no-checkpoint` to stop it now, losing its steps after" in said, said
+        assert stack.status(job).state == JobState.PAUSED
     finally:
         os.kill(pid, signal.SIGCONT)
     paused_at = stack.status(job).step
