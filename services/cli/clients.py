@@ -185,8 +185,13 @@ def team_view(timeout: float = 10.0) -> tuple[str, list] | None:
     return listed.team_view, list(listed.jobs)
 
 
-# What a job loses while the store is away, said after the command that brings it back.
+# What a job loses while the store (the data service) is away, said after the command that
+# brings it back.
 STORE_OUTAGE_EFFECT = "checkpoints are not saved and metrics wait in the ranks' buffers meanwhile"
+DATA_OUTAGE_EFFECT = (
+    "running jobs train on from their ranks' read-ahead, then wait for it; "
+    "they go on with the next batch once it is back"
+)
 
 
 STORE_PROBE_SECONDS = 2.0  # (status: the store's health check, before anything is read from it)
@@ -195,17 +200,27 @@ STORE_PROBE_SECONDS = 2.0  # (status: the store's health check, before anything 
 def store_outage(timeout_s: float = STORE_PROBE_SECONDS) -> str:
     """One line when the store does not answer its health check (within ``timeout_s``),
     naming the command that brings it back as the local stack is (``unreachable_hint``); ""
-    when it answers or no store address is known. `surgectl status` shows it: control and
-    data outages are named there already (control's refusal, the jobs' messages)."""
+    when it answers or no store address is known. `surgectl status` shows it (control's
+    outage is its refusal)."""
+    return _outage("store", STORE_OUTAGE_EFFECT, timeout_s)
+
+
+def data_outage(timeout_s: float = STORE_PROBE_SECONDS) -> str:
+    """``store_outage`` for the data service: `surgectl status` says so at once (before: not
+    until a rank's read-ahead ran dry, ~30 s later, in the jobs' messages)."""
+    return _outage("data", DATA_OUTAGE_EFFECT, timeout_s)
+
+
+def _outage(service: str, effect: str, timeout_s: float) -> str:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     try:
-        addr = address("store")
+        addr = address(service)
     except CliError:
         return ""
     procs = stack.read_stack() or {}
     down = stack.down_services(procs)
-    if "store" not in down:
+    if service not in down:
         with open_channel(addr) as ch:
             try:
                 health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout_s)
@@ -213,11 +228,11 @@ def store_outage(timeout_s: float = STORE_PROBE_SECONDS) -> str:
             except grpc.RpcError as e:
                 if e.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     return ""  # it answers (a refusal of the check is no outage)
-    if "store" in procs and not os.environ.get("SURGE_STORE_ADDRESS"):
-        hint = unreachable_hint("store", addr, list(procs), down, stopped=stack.stopped_pid("store", procs))
+    if service in procs and not os.environ.get(f"SURGE_{service.upper()}_ADDRESS"):
+        hint = unreachable_hint(service, addr, list(procs), down, stopped=stack.stopped_pid(service, procs))
     else:
-        hint = f"store unreachable at {addr}"
-    return f"{hint}; {STORE_OUTAGE_EFFECT}"
+        hint = f"{service} unreachable at {addr}"
+    return f"{hint}; {effect}"
 
 
 def store_answers(what: str) -> None:

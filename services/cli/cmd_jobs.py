@@ -201,15 +201,24 @@ def _dashboard_line() -> None:
 
 def _status_of(job: str | None) -> tuple[list, list, str, str]:
     """(the jobs, the cordoned workers, what control says of its journal failing, the store's
-    outage when it does not answer): one job's status (no cordons, no journal), or every job's."""
+    and, with a job running, the data service's outage when they do not answer): one job's
+    status (no cordons, no journal), or every job's."""
     if job:
-        one = clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
-        return [one], [], "", clients.store_outage()
-    listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
-    return list(listed.jobs), list(listed.cordoned), listed.journal_failing, clients.store_outage()
+        jobs, cordoned, journal = (
+            [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))],
+            [],
+            "",
+        )
+    else:
+        listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
+        jobs, cordoned, journal = list(listed.jobs), list(listed.cordoned), listed.journal_failing
+    outages = [clients.store_outage()]
+    if any(j.state in (control_pb2.RUNNING, control_pb2.WARMING_UP, control_pb2.FAULT_FROZEN) for j in jobs):
+        outages.append(clients.data_outage())  # (the jobs that read from it)
+    return jobs, cordoned, journal, "\n".join(o for o in outages if o)
 
 
-def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = ""):
+def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = ""):  # store: the services' outages
     """The status view: control's journal when it fails, the jobs, then the slow ranks and
     the cordoned workers when any."""
     from rich.console import Group
@@ -222,7 +231,7 @@ def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = "
         if j.save_failing.failed and j.state != control_pb2.JobState.TERMINATED:
             newest = f"{j.checkpoint_version} (step {j.checkpoint_step})" if j.checkpoint_version else ""
             parts.insert(0, Text(save_failing.status_line(j.job_id, j.save_failing, newest), style="bold red"))
-    if store:  # (was: nothing said; control's and the data service's outages are named)
+    if store:  # the store's, the data service's (was: nothing said until a job's message named it)
         parts.insert(0, Text(store, style="bold red"))
     if any(j.slow_ranks for j in jobs):
         parts.append(render.slow_ranks_table(jobs))

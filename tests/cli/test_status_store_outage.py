@@ -35,7 +35,7 @@ def control():
     server.stop(0)
 
 
-def write_stack(control_port: int, store_pid: int, store_port: int) -> None:
+def write_stack(control_port: int, store_pid: int, store_port: int, data: tuple[int, int] | None = None) -> None:
     import json
 
     from services.cli import stack
@@ -44,6 +44,8 @@ def write_stack(control_port: int, store_pid: int, store_port: int) -> None:
         "store": {"name": "store", "pid": store_pid, "port": store_port, "log": "x"},
         "control": {"name": "control", "pid": os.getpid(), "port": control_port, "log": "x"},
     }
+    if data is not None:  # (pid, port)
+        services["data"] = {"name": "data", "pid": data[0], "port": data[1], "log": "x"}
     stack.stack_file().parent.mkdir(parents=True, exist_ok=True)
     stack.stack_file().write_text(json.dumps({"services": services}))
 
@@ -64,3 +66,16 @@ def test_status_names_a_store_that_is_down_and_the_command_that_brings_it_back(
     write_stack(control, os.getpid(), control)  # it answers its health check: nothing said
     code, out, _ = run_cli(["status"], monkeypatch, capsys)
     assert code == 0 and "store" not in out, out
+
+
+def test_status_names_a_data_service_that_is_down_while_a_job_runs(surge_home, control, monkeypatch, capsys):
+    # (was: nothing said until a rank's read-ahead ran dry, ~30 s later, in the job's message)
+    monkeypatch.setenv("COLUMNS", "400")
+    write_stack(control, os.getpid(), control, data=(dead_pid(), free_port()))  # the store answers
+    code, out, _ = run_cli(["status"], monkeypatch, capsys)
+    assert code == 0 and "data at 127.0.0.1:" in out and "is down" in out and "`surgectl up` starts it" in out, out
+    assert "read-ahead" in out and "RUNNING" in out and "store" not in out, out
+
+    write_stack(control, os.getpid(), control, data=(os.getpid(), control))  # it answers: nothing said
+    code, out, _ = run_cli(["status"], monkeypatch, capsys)
+    assert code == 0 and "data" not in out.lower().replace("data_wait", ""), out
