@@ -295,17 +295,19 @@ def stop(job: str, no_checkpoint: bool = NoCheckpointOpt) -> None:
 
 
 def _store_for_the_stop_checkpoint(job: str) -> None:
-    """A running or paused job's stop checkpoints its step in the store. With the store not
-    answering its health check, the stop is refused and nothing changes, as `down`'s drain is
-    (before: the job stopped, the save failed, its steps after the newest checkpoint lost);
-    `--no-checkpoint` stops it knowingly. A queued or ended job needs no store.
+    """A running job's stop checkpoints its step in the store (a paused one's too, unless a
+    checkpoint holds the step it paused at). With the store not answering its health check,
+    the stop is refused and nothing changes, as `down`'s drain is (before: the job stopped,
+    the save failed, its steps after the newest checkpoint lost); `--no-checkpoint` stops it
+    knowingly. A queued or ended job needs no store.
 
     Raises:
         CliError: the store did not answer (exit 1).
     """
     s = clients.call("control", lambda st: st.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
-    if s.state not in (control_pb2.RUNNING, control_pb2.PAUSED):
-        return
+    saved = s.state == control_pb2.PAUSED and (s.drained or s.checkpoint_step >= s.step)
+    if s.state not in (control_pb2.RUNNING, control_pb2.PAUSED) or saved:
+        return  # (queued or ended; or paused at a step its checkpoint holds: the stop saves nothing)
     outage = clients.store_outage()
     if outage:
         newest = f"checkpoint {s.checkpoint_version} (step {s.checkpoint_step})" if s.checkpoint_version else "none yet"
