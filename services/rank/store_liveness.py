@@ -67,6 +67,11 @@ def _env_seconds(name: str, default: float) -> float:
 # answering (the outage's detection time; the old fixed deadline of BeginSave, same variable).
 STORE_SILENT_S = _env_seconds("SURGE_STORE_RPC_TIMEOUT_S", 10.0)
 PROBE_SHARE = 0.5  # the first probe after, and between probes, this share of silent_s
+# After a refused probe (UNAVAILABLE: nothing listens, or the channel's reconnect backoff) the
+# breaker's prober asks again this soon, not PROBE_SHARE x silent_s later: a refusal costs the
+# store nothing, and a store started again was refused saves for up to 5 s (a window of 10 s;
+# more with the world size) after `surgectl restart store` said it served.
+REFUSED_RETRY_S = 1.0
 # What a probe's answer waits for at a save besides the store: every rank of the job asks at
 # once, and those processes share the store's machine (256 simulated ranks on 2 cores: the
 # store's health answer came after more than 10 s, its CPU idle, at a load average of 250).
@@ -249,10 +254,11 @@ class StoreLiveness:
     def _reprobe(self) -> None:
         """The breaker's prober: one health probe at a time until the store answers one
         (the breaker closes), or the relay closes. A probe a stopped store leaves unanswered
-        takes ``silent_s``; a refused one returns at once and is asked again ``silent_s / 2`` later."""
+        takes ``silent_s``; a refused one returns at once and is asked again ``REFUSED_RETRY_S``
+        later (at most ``silent_s / 2``)."""
         answered = False
         while not answered and not self._closed.is_set():
-            begun = time.monotonic()
+            begun, every = time.monotonic(), self._interval
             try:
                 self._health.Check(health_pb2.HealthCheckRequest(), timeout=self.silent_s)
                 answered = True
@@ -262,10 +268,12 @@ class StoreLiveness:
                     grpc.StatusCode.UNAVAILABLE,
                     grpc.StatusCode.CANCELLED,
                 )  # (UNIMPLEMENTED, PERMISSION_DENIED...: it answered, it is alive)
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    every = min(every, REFUSED_RETRY_S)
             except ValueError:  # the channel was closed under it (the relay's close)
                 break
             if not answered:
-                self._closed.wait(max(0.0, self._interval - (time.monotonic() - begun)))
+                self._closed.wait(max(0.0, every - (time.monotonic() - begun)))
         with self._lock:  # (one step: a detection meanwhile starts a new prober)
             if answered:
                 self._silent = None
