@@ -230,7 +230,8 @@ def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = "
     for j in reversed(jobs):  # (was: nothing said while every save was refused, the disk full: F7)
         if j.save_failing.failed and j.state != control_pb2.JobState.TERMINATED:
             newest = f"{j.checkpoint_version} (step {j.checkpoint_step})" if j.checkpoint_version else ""
-            parts.insert(0, Text(save_failing.status_line(j.job_id, j.save_failing, newest), style="bold red"))
+            line = save_failing.status_line(j.job_id, j.save_failing, newest, paused=j.state == control_pb2.PAUSED)
+            parts.insert(0, Text(line, style="bold red"))
     if store:  # the store's, the data service's (was: nothing said until a job's message named it)
         parts.insert(0, Text(store, style="bold red"))
     if any(j.slow_ranks for j in jobs):

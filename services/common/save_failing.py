@@ -70,14 +70,19 @@ def until(sf: control_pb2.SaveFailing) -> str:
     return "once its saves go through"
 
 
-def status_line(job_id: str, sf: control_pb2.SaveFailing, newest: str) -> str:
+def status_line(job_id: str, sf: control_pb2.SaveFailing, newest: str, paused: bool = False) -> str:
     """`surgectl status`'s line for a job whose saves fail, e.g. "checkpoint saves failing: j: 3
     saves failed (steps 400-500): the store answered but refused the write: no space at P;
-    newest checkpoint j:4; the next save tries again (free space at P)"."""
+    newest checkpoint j:4; the next save tries again (free space at P)". A ``paused`` job saves
+    nothing by itself: what saves its step is said (was: "the next save tries again" of a job
+    whose next save never came, a fresh user's trial)."""
     saves = f"{sf.failed} save{'s' if sf.failed != 1 else ''}"
     since = f"steps {sf.first_step}-{sf.step}" if sf.first_step and sf.first_step != sf.step else f"step {sf.step}"
     act = until(sf).removeprefix("once you ") if refused(sf) else until(sf)
-    return (
-        f"checkpoint saves failing: {job_id}: {saves} failed ({since}): {why(sf)}; newest checkpoint "
-        f"{newest or 'none'}; the next save tries again ({act})"
+    then = (
+        f"paused, it saves nothing by itself: `surgectl stop {job_id}` or `surgectl down` saves its step, "
+        f"`surgectl resume {job_id}` trains on to its next save ({act})"
+        if paused
+        else f"the next save tries again ({act})"
     )
+    return f"checkpoint saves failing: {job_id}: {saves} failed ({since}): {why(sf)}; newest checkpoint {newest or 'none'}; {then}"

@@ -63,3 +63,14 @@ def test_status_names_a_store_that_does_not_answer_the_saves_and_the_store_outag
 def test_status_says_nothing_of_saves_that_go_through_or_of_an_ended_job():
     ended = job("done", NO_SPACE, state=JobState.TERMINATED)
     assert not any("saves failing" in line for line in rendered([job("ok"), ended]))
+
+
+def test_a_paused_job_whose_pause_save_failed_is_told_what_saves_its_step():
+    # (was: "the next save tries again" of a paused job, which saves nothing by itself: a fresh
+    # user's trial)
+    away = control_pb2.SaveFailing(failed=1, first_step=39, step=39, cause=store_pb2.UNREACHABLE)
+    (line,) = [x for x in rendered([job("p", away, state=JobState.PAUSED)]) if x.startswith("checkpoint saves")]
+    assert line.endswith(
+        "paused, it saves nothing by itself: `surgectl stop p` or `surgectl down` saves its step, "
+        "`surgectl resume p` trains on to its next save (once the store answers)"
+    ), line

@@ -642,6 +642,27 @@ def test_a_rebuild_in_place_keeps_a_withdrawal_and_launches_the_replacement_with
     assert "RevokeStandingOrder" not in [k for s in w.values() for k in kinds(drain(s))]
 
 
+@pytest.mark.parametrize("saved_at, again", [(4, True), (6, False)])
+def test_a_stop_of_ranks_paused_at_a_step_no_commit_holds_asks_them_to_save_it_again(plane, saved_at, again):
+    # A fresh user's trial: the pause's save failed (the store stopped), the store came back, and
+    # `stop` saved nothing: each paused rank had marked its step saved. Control knows better.
+    job_id, w = running(plane, "wa", "wb")
+    plane.rank_event(w["wa"], job_id, 0, step=engine_pb2.StepCompleted(step=6, loss=2.0, tokens=64))
+    saved(plane, w["wa"], job_id, 1, step=saved_at)
+    plane.user(control_pb2.PauseJobRequest(job_id=job_id))
+    for rank, session in ((0, w["wa"]), (1, w["wb"])):
+        plane.rank_event(session, job_id, rank, paused=engine_pb2.TrainingLoopPaused(rank=rank, step=6))
+    assert plane.get(job_id).state == JobState.PAUSED
+    for session in w.values():
+        drain(session)
+    plane.user(control_pb2.StopJobRequest(job_id=job_id))
+    stops = [to_ranks(c) for s in w.values() for c in drain(s) if c.WhichOneof("command") == "routed"]
+    assert [(m.checkpoint, m.save_again) for m in stops if isinstance(m, engine_pb2.StopTraining)] == [
+        (True, again),
+        (True, again),
+    ], stops
+
+
 def test_a_restarted_control_answers_a_reminder_with_the_journaled_verdict_and_keeps_a_withdrawal(tmp_path, store):
     # Rank 0 reports a NaN loss at step 6 (policy: ignore); control decides and dies. Rank 1
     # never got the verdict: its reminder reaches the restarted control, which sends the same

@@ -85,6 +85,22 @@ def test_a_pause_with_checkpoint_commits_before_reporting_paused_and_a_stop_whil
     assert fin.stopped and fin.step == 2
 
 
+def test_a_stop_that_says_save_again_saves_the_paused_step_though_the_rank_marked_it_saved(tmp_path):
+    # L1-1 holds no commit of the step the ranks paused at (their pause's save failed, the store
+    # away: each rank marked the step saved all the same): the stop saves it again.
+    rank = LocalRank(tiny_spec(steps=8), tmp_path)
+    rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2, checkpoint=True, seq=1))
+    rank.command(engine_pb2.StartTraining(job_id="job"))
+    t = started(rank)
+    wait_for(rank, t, engine_pb2.TrainingLoopPaused)
+    assert [c.step for c in rank.store.committed] == [2]
+    rank.command(engine_pb2.StopTraining(job_id="job", checkpoint=True, save_again=True, seq=2))
+    t.join(30)
+    assert [c.step for c in rank.store.committed] == [2, 2]
+    (fin,) = rank.up.of(engine_pb2.TrainingLoopFinished)
+    assert fin.stopped and fin.step == 2
+
+
 def test_a_stop_with_checkpoint_while_paused_without_one_saves_the_paused_step(tmp_path):
     rank = LocalRank(tiny_spec(steps=8), tmp_path)
     rank.command(engine_pb2.PauseTraining(job_id="job", at_step=2, seq=1))

@@ -389,7 +389,10 @@ class OperatorCommands:
             if admission.verdict == REFUSE:
                 raise IllegalTransition(admission.reason)
             checkpoint = not msg.no_checkpoint
-            cmd = self._in_flight(job, "stop", engine_pb2.StopTraining(checkpoint=checkpoint))
+            # Paused at a step no committed checkpoint holds (the pause's save failed): saved again
+            # by the paused ranks, which may have marked it saved (was: the stop saved nothing).
+            again = checkpoint and state == JobState.PAUSED and checkpoint_step(job) < job.status.step
+            cmd = self._in_flight(job, "stop", engine_pb2.StopTraining(checkpoint=checkpoint, save_again=again))
             job.boundary_failed = job.resume_after_pause = False
             where = _where(job) if state == JobState.RUNNING else f"where they paused (step {job.status.step})"
             how = "checkpoint and stop" if checkpoint else "stop (no checkpoint)"

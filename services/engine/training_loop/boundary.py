@@ -109,6 +109,8 @@ class Boundary:
                     return _RELOAD
                 return _RESIZE if msg.rebuild else ""
         if stop.checkpoint:
+            if stop.save_again:  # (the pause's save failed: L1-1 holds no checkpoint of ``step``)
+                self._durable_step = None
             self._checkpoint_boundary(step)
         return _STOP
 
