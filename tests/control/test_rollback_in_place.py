@@ -10,6 +10,7 @@ import pytest
 
 from services.contract import Module, control_pb2, engine_pb2, route_pb2, store_pb2
 from services.control.orchestrator import IllegalTransition, UnknownVersion
+from services.control.orchestrator.texts import _newest
 
 from .conftest import drain, kinds, to_ranks
 from .test_fault_policy import QUICK, decisions, plane, restarted, running, saved, store  # noqa: F401 - fixtures
@@ -53,6 +54,11 @@ def test_the_live_ranks_pause_load_the_version_and_go_on_from_its_step(plane, st
     done = [e.message for e in plane.events(job_id) if e.message.startswith("rollback in place done")]
     assert done and done[0].endswith(f"; {v2} kept, never chosen by a recovery or a plain resume")
     assert v2 in plane.c.orchestrator._jobs[job_id].abandoned
+    # What a resume would load is the version rolled back to, in the status and in what `down
+    # --force` and a stop say (was: v2, so `up` was said to resume "from v2, no step lost", then
+    # resumed from v1: a fresh user's trial).
+    assert (s.checkpoint_version, s.checkpoint_step) == (v1, 4)
+    assert _newest(plane.c.orchestrator._jobs[job_id]) == f"checkpoint {v1} (step 4)"
 
 
 @pytest.mark.parametrize(

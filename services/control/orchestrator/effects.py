@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from services.contract import control_pb2
 from services.control.orchestrator.job import _Job
+from services.control.orchestrator.texts import newest_usable
 from services.jobspec import JobSpec
 
 _State = TypeVar("_State")
@@ -124,3 +125,9 @@ class Effects:
                 self._transition(job, effect.state, effect.source, effect.message)
             else:
                 job.abandoned.update(effect.versions)
+                if job.status.checkpoint_version in job.abandoned:
+                    # status names what a resume (`up`, a stop's message) would load: the version
+                    # rolled back to, not the branch left (was: a fresh user was told `up` resumes
+                    # from the newer one, "no step lost", and it resumed from the older).
+                    newest = newest_usable(job)
+                    job.status.checkpoint_version = newest[1] if newest else ""

@@ -118,16 +118,23 @@ def restored_from_text(bytes_from: dict[str, int] | Counter[str]) -> str:
 
 
 def _usable(job: _Job) -> list[tuple[int, str]]:
-    """The job's committed versions not known unusable, (step, version): what a resume can take."""
-    return [(step, v) for step, v in job.versions if v not in job.unusable]
+    """The job's committed versions not known unusable and not of a branch a rollback left,
+    (step, version): what a plain resume can take (an abandoned one only by name)."""
+    return [(step, v) for step, v in job.versions if v not in job.unusable and v not in job.abandoned]
+
+
+def newest_usable(job: _Job) -> tuple[int, str] | None:
+    """(step, version) of the newest of ``_usable``; None without one."""
+    usable = _usable(job)
+    return max(usable, key=lambda sv: (sv[0], _version_number(sv[1]))) if usable else None
 
 
 def _newest(job: _Job) -> str:
-    """The job's newest committed version not known unusable, as text."""
-    usable = _usable(job)
-    if not usable:
+    """The job's newest committed version a plain resume can take, as text."""
+    newest = newest_usable(job)
+    if newest is None:
         return "(no checkpoint yet)"
-    step, version = max(usable, key=lambda sv: (sv[0], _version_number(sv[1])))
+    step, version = newest
     return f"checkpoint {version} (step {step})"
 
 
