@@ -50,6 +50,7 @@ class StoreRelay:
         self._back = back
         self.post = post or (lambda fn: fn())
         self._stub: store_pb2_grpc.StoreServiceStub | None = None
+        self._channel: grpc.Channel | None = None  # (the calls' one channel, closed by ``close``)
         self._closed = threading.Event()
         self._watching: Any = None
 
@@ -69,18 +70,16 @@ class StoreRelay:
         (a boundary violation it carries reported, ``on_error``) and not retried: the series
         then stay until the store restarts (an unreachable store's restart drops them anyway),
         nothing else is lost."""
-        if self._stub is None:
-            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
-        future = self._stub.RetireSeries.future(msg, timeout=self._timeout_s)
-        future.add_done_callback(lambda f: self._retired(f, msg.job_id))
+        future = self._call("RetireSeries", msg)
+        if future is not None:
+            future.add_done_callback(lambda f: self._retired(f, msg.job_id))
 
     def retire_checkpoint_series(self, msg: store_pb2.RetireCheckpointSeries, payload: Any = None) -> None:
         """L1-1's word to L5-1 that the job ended (its checkpoint series go), forwarded without
         blocking like ``retire_metric_series``; nothing waits for the answer."""
-        if self._stub is None:
-            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
-        future = self._stub.RetireJobCheckpointSeries.future(msg, timeout=self._timeout_s)
-        future.add_done_callback(lambda f: self._retired(f, msg.job_id))
+        future = self._call("RetireJobCheckpointSeries", msg)
+        if future is not None:
+            future.add_done_callback(lambda f: self._retired(f, msg.job_id))
 
     def _retired(self, future: grpc.Future, job_id: str) -> None:
         try:
@@ -97,10 +96,30 @@ class StoreRelay:
         threading.Thread(target=self._watch, name="store-watch", daemon=True).start()
 
     def close(self) -> None:
+        """End the watch and close the calls' channel (once; later calls are dropped). Closed
+        here, at a known point, not by the garbage collector wherever it runs: a channel
+        collected unclosed is closed in its ``__del__``, and one such close hung a test
+        process's main thread in it (grpc #42247's kind; session 43)."""
         self._closed.set()
         watching = self._watching  # (read after the set: the watch re-checks after it assigns)
         if watching is not None:
             watching.cancel()
+        ch, self._channel = self._channel, None
+        if ch is not None:
+            ch.close()
+
+    def _call(self, method: str, msg: Any) -> grpc.Future | None:
+        """``method`` of the store, not waited for, on the relay's one channel (made at the
+        first call); None once the relay is closed (control is stopping: nothing is asked)."""
+        if self._closed.is_set():
+            return None
+        if self._stub is None:
+            self._channel = channel(self._address, module=Module.L1_ORCHESTRATOR)
+            self._stub = store_pb2_grpc.StoreServiceStub(self._channel)
+        try:
+            return getattr(self._stub, method).future(msg, timeout=self._timeout_s)
+        except ValueError:  # the channel closed under it (``close``, from another thread)
+            return None
 
     def _watch(self) -> None:
         # One channel for the watch's life, owned by this thread: gRPC reconnects it (its
@@ -134,9 +153,9 @@ class StoreRelay:
             watch.close()
 
     def _ask(self, method: str, msg: Any, operation: str, job_id: str) -> None:
-        if self._stub is None:
-            self._stub = store_pb2_grpc.StoreServiceStub(channel(self._address, module=Module.L1_ORCHESTRATOR))
-        future = getattr(self._stub, method).future(msg, timeout=self._timeout_s)
+        future = self._call(method, msg)
+        if future is None:
+            return
         future.add_done_callback(lambda f: self.post(lambda: self._answer(f, operation, job_id)))
 
     def _answer(self, future: grpc.Future, operation: str, job_id: str) -> None:
