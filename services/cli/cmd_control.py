@@ -375,10 +375,16 @@ def revoke(
     """Withdraw a running job's standing order for a class of step faults (a verdict its ranks
     hold in advance, e.g. the default skip_step for gradient_overflow): from a step boundary
     every rank has yet to reach, each such fault is decided by the fault policy one at a
-    time. Ranks relaunched later get the policy's orders again.
+    time. Ranks a rebuild or a rollback in place keeps hold it withdrawn (a rank launched beside
+    them is launched without it); a recovery that relaunches every rank gives them the policy's
+    orders again, and says so in its events.
 
     Example: surgectl revoke demo-3f2a1c gradient_overflow
     """
+    if fault_class not in STEP_FAULT_CLASSES:  # (bad input: said before control is asked)
+        raise CliError(
+            f"fault_class {fault_class!r}: not a step fault class; one of {', '.join(STEP_FAULT_CLASSES)}", code=2
+        )
     job = resolve_job(job)
     req = control_pb2.RevokeOrderRequest(job_id=job, fault_class=fault_class)
     with stack.exit_on_interrupt(_again("revoke", job, f" {fault_class}")):

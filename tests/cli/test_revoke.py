@@ -15,7 +15,7 @@ import pytest
 
 from services.contract import engine_pb2
 from services.control.fault_decision import STEP_FAULT_KIND, standing_orders
-from services.jobspec import FaultPolicySpec
+from services.jobspec import STEP_FAULT_CLASSES, FaultPolicySpec
 from tests.control.test_control_service import (  # noqa: F401 (fixtures)
     agents,
     running_watch,
@@ -72,6 +72,10 @@ def test_revoke_withdraws_a_standing_order_at_a_boundary_and_refuses_in_one_line
     assert "FAILURE_" not in refused.stderr  # a refusal, not a failure of L1-1 ...
     status = surgectl(control.address, tmp_path, "status", job_id)
     assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout  # ... that ends the job
+    typo = surgectl(control.address, tmp_path, "revoke", job_id, "gradient_overflw")  # (bad input: exit 2)
+    assert typo.returncode == 2 and typo.stderr.strip().splitlines() == [
+        "error: fault_class 'gradient_overflw': not a step fault class; one of " + ", ".join(STEP_FAULT_CLASSES)
+    ], typo.stderr
     unknown = surgectl(control.address, tmp_path, "revoke", "no-such-job", "gradient_overflow")
     assert unknown.returncode != 0 and len(unknown.stderr.strip().splitlines()) == 1, unknown.stderr
     assert len(revokes(agent)) == 1
