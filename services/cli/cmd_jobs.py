@@ -70,13 +70,24 @@ def submit(
         try:
             h = follow_job(status.job_id)
         except KeyboardInterrupt:
-            render.stopped_following(
-                f"{status.job_id} keeps running "
-                f"(`surgectl events {status.job_id} --follow` to watch, `surgectl stop {status.job_id}` to stop)"
-            )
+            render.stopped_following(_goes_on(status.job_id))
             raise typer.Exit(130) from None
         render.console.print(render.summary_table(h.last, h))
         _exit_for(h.last)
+
+
+def _goes_on(job_id: str) -> str:
+    """What a followed job does once the follow is interrupted: queued, it stays in the queue
+    (`cancel` takes it out); else it keeps running (was: "keeps running ... `stop`" of a job
+    still queued, a fresh user's trial). Its state asked once, briefly; unknown: running."""
+    watch = f"`surgectl events {job_id} --follow` to watch"
+    try:
+        now = clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job_id), timeout=2))
+    except (CliError, KeyboardInterrupt):
+        now = None
+    if now is not None and now.state == control_pb2.STANDBY and now.queue_position:
+        return f"{job_id} stays queued (#{now.queue_position}; {watch}, `surgectl cancel {job_id}` to take it out)"
+    return f"{job_id} keeps running ({watch}, `surgectl stop {job_id}` to stop)"
 
 
 @app.command()
