@@ -215,11 +215,8 @@ def _status_of(job: str | None) -> tuple[list, list, str, str]:
     and, with a job running, the data service's outage when they do not answer): one job's
     status (no cordons, no journal), or every job's."""
     if job:
-        jobs, cordoned, journal = (
-            [clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))],
-            [],
-            "",
-        )
+        one = clients.call("control", lambda s: s.GetJob(control_pb2.JobQuery(job_id=job), timeout=10))
+        jobs, cordoned, journal = [one], [], ""
     else:
         listed = clients.call("control", lambda s: s.ListJobs(control_pb2.JobQuery(), timeout=10))
         jobs, cordoned, journal = list(listed.jobs), list(listed.cordoned), listed.journal_failing
@@ -229,9 +226,10 @@ def _status_of(job: str | None) -> tuple[list, list, str, str]:
     return jobs, cordoned, journal, "\n".join(o for o in outages if o)
 
 
-def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = ""):  # store: the services' outages
+def _status_tables(jobs: list, cordoned: list, journal: str = "", store: str = ""):
     """The status view: control's journal when it fails, the jobs, then the slow ranks and
-    the cordoned workers when any."""
+    the cordoned workers when any; ``store``: the lines of the services that do not answer
+    (the store's, the data service's)."""
     from rich.console import Group
     from rich.text import Text
 

@@ -172,7 +172,8 @@ class Rebuild:
                 init.CopyFrom(allocated.init)
                 init.resume_version, init.heal_from_peer = "", True
                 if msg.withdrawn_orders:  # (the kept ranks no longer follow them: neither does a new one)
-                    kept = [o for o in init.standing_orders if o.id not in set(msg.withdrawn_orders)]
+                    gone = set(msg.withdrawn_orders)
+                    kept = [o for o in init.standing_orders if o.id not in gone]
                     del init.standing_orders[:]
                     init.standing_orders.extend(kept)
                 threads = spec_from_json(init.spec_json).parallel.threads_per_rank
