@@ -30,6 +30,7 @@ from services.control.orchestrator.activity import REFUSE, PauseAsk, admit
 from services.control.orchestrator.departure_plan import CHECKPOINT, FROM_NEWEST, plan_departure
 from services.control.orchestrator.job import ORCH, JobState, _Job
 from services.control.orchestrator.refusals import BadDeparture
+from services.control.orchestrator.texts import _usable, newest_usable
 from services.control.orchestrator.undos import Before
 
 _log = structlog.get_logger("orchestrator")
@@ -119,7 +120,7 @@ class Departures:
                 "its ranks there end at the deadline and its fault policy decides (worker_departed)",
             )
             return
-        has_checkpoint = bool([v for _, v in job.versions if v not in job.unusable and v not in job.abandoned])
+        has_checkpoint = bool(_usable(job))
         plan = plan_departure(deadline_s, job.save_seconds, job.step_seconds, has_checkpoint)
         if plan.action == CHECKPOINT:
             before = Before.of(job)
@@ -168,7 +169,7 @@ class Departures:
         PAUSED, parked: `surgectl resume` relaunches it from its newest checkpoint off the node.
         Without a checkpoint nothing is done here (its ranks end at the deadline and its fault
         policy decides, as for a sudden loss)."""
-        if not [v for _, v in job.versions if v not in job.unusable and v not in job.abandoned]:
+        if not _usable(job):
             self._record(
                 job,
                 ORCH,
@@ -218,8 +219,10 @@ class Departures:
         )
 
     def _newest_version(self, job: _Job) -> tuple[int, str]:
-        usable = [(s, v) for s, v in job.versions if v not in job.unusable and v not in job.abandoned]
-        return max(usable, key=lambda sv: (sv[0], int(sv[1].rsplit(":", 1)[-1]) if ":" in sv[1] else 0))
+        """(step, version) of the job's newest usable version (callers checked there is one)."""
+        newest = newest_usable(job)
+        assert newest is not None
+        return newest
 
     def _move(
         self, job: _Job, worker_id: str, step: int, version: str, head: str, said: str = "", paused: bool = False

@@ -45,6 +45,7 @@ from services.control.orchestrator.activity import idle
 from services.control.orchestrator.job import ORCH, JobState, _Job
 from services.control.orchestrator.preemption_plan import Running, choose_victims, choose_within_team
 from services.control.orchestrator.teams import held_by_kind, kind_of, landed_kind, team_of, usage_of
+from services.control.orchestrator.texts import _usable
 from services.control.scheduler.admission import Admission, admit, quota_deficit
 from services.control.scheduler.admission import held as held_in
 
@@ -369,7 +370,7 @@ class Preempting:
         job = self._jobs.get(job_id)
         if job is None or job.pending != "pause" or job.pending_seq != seq or not job.status.preempted_by:
             return  # (paused in time, or superseded)
-        if not [v for _, v in job.versions if v not in job.unusable and v not in job.abandoned]:
+        if not _usable(job):
             self._record(
                 job,
                 ORCH,
@@ -397,8 +398,7 @@ class Preempting:
         ``step`` after its checkpoint's commit (or its failure): the slots are released."""
         job.pending, job.status.step = "", step
         by = job.status.preempted_by
-        usable = [v for _, v in job.versions if v not in job.unusable and v not in job.abandoned]
-        if job.boundary_failed and not usable:  # nothing to continue from: the preemption is given up
+        if job.boundary_failed and not _usable(job):  # nothing to continue from: the preemption is given up
             job.status.preempted_by = ""
             self._loop(engine_pb2.ResumeTraining(job_id=job.status.job_id))
             self._record(
